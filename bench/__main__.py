@@ -1,0 +1,10 @@
+"`python -m bench [chapter ...]`: print every chapter's benchmark table (all chapters when none is named)."
+import sys
+from pathlib import Path
+from relpos.bench import load_case
+
+here = Path(__file__).parent
+chapters = sys.argv[1:] or sorted(p.stem for p in here.glob('*.py') if not p.stem.startswith('_'))
+for chapter in chapters:
+    print(f"\n## {chapter}\n", flush=True)
+    print(load_case(f"bench.{chapter}:main")(), flush=True)
