@@ -1,0 +1,50 @@
+# relpos: two commands do all the set-up on a fresh machine.
+#   make test   create .venv if missing, check notebooks and library are in sync and clean, nbdev_test, pytest
+#   make docs   create .venv if missing, export, build the rendered site into _docs/
+# Override the torch requirement for other platforms, e.g.
+#   make test TORCH="torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu"
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+ENV_STAMP := $(VENV)/.relpos-installed
+
+.PHONY: env export check nbtest pytest test docs bench clean
+
+# torch first: a bare `torch` requirement on a fresh venv would pull a multi-GB CUDA build.
+$(ENV_STAMP): settings.ini setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# labml_nn is a dev-only parity reference; its torchtext/torchvision pins break beside CPU torch
+	$(BIN)/python -m pip install -q --no-deps labml-nn==0.5.1
+	touch $@
+
+env: $(ENV_STAMP)
+
+export: env
+	$(BIN)/nbdev_export
+
+# notebooks are the source: exporting and cleaning a scratch copy must change nothing
+check: env
+	PATH=$(abspath $(BIN)):$$PATH bash tools/check_sync.sh
+
+nbtest: env
+	$(BIN)/nbdev_test --n_workers 2
+
+pytest: env
+	$(BIN)/python -m pytest -n 2 tests
+
+test: check nbtest pytest
+
+docs: export
+	if command -v quarto >/dev/null; then $(BIN)/nbdev_docs; \
+	else $(BIN)/python tools/render_docs.py && echo "rendered offline with nbconvert into _docs/ (quarto not found)"; fi
+
+bench: env
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf _docs _proc .pytest_cache .hypothesis
