@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['check_sequence', 'PrepareForMultiHeadAttention', 'MultiHeadAttention']
 
-# %% ../nbs/01_mha.ipynb #c9fbe818
+# %% ../nbs/01_mha.ipynb #51d1381d
 import math
 from typing import Optional, List, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-# %% ../nbs/01_mha.ipynb #8e0d71e0
+# %% ../nbs/01_mha.ipynb #09e20d94
 def check_sequence(x, name, d_model=None):
     "Check that `x` is a `[seq_len, batch, d_model]` float tensor; raise an error naming `name` otherwise."
     if not isinstance(x, torch.Tensor):
@@ -24,7 +24,7 @@ def check_sequence(x, name, d_model=None):
     if d_model is not None and x.shape[-1] != d_model:
         raise ValueError(f"{name} must have d_model={d_model} features in its last dim, got shape {tuple(x.shape)}")
 
-# %% ../nbs/01_mha.ipynb #55b3046f
+# %% ../nbs/01_mha.ipynb #394f06a9
 class PrepareForMultiHeadAttention(nn.Module):
     "Linear projection of `[..., d_model]` followed by a split into `heads` vectors of `d_k`: `[..., heads, d_k]`."
     def __init__(self,
@@ -42,7 +42,7 @@ class PrepareForMultiHeadAttention(nn.Module):
         # Project, then split the last dimension into heads: `[..., heads, d_k]`
         return self.linear(x).unflatten(-1, (self.heads, self.d_k))
 
-# %% ../nbs/01_mha.ipynb #318432d8
+# %% ../nbs/01_mha.ipynb #3635f4bb
 class MultiHeadAttention(nn.Module):
     "Multi-head attention with labml_nn's interface, state_dict and numbers; sequence first."
     def __init__(self,
@@ -147,6 +147,9 @@ class MultiHeadAttention(nn.Module):
         x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale,
                                            dropout_p=self.dropout.p if self.training else 0.0)
         if row_ok is not None: x = x * row_ok
+        # torch 2.13's fused CPU kernel returns 0, not NaN, for a query row holding a NaN/Inf when no
+        # mask is given; the readable path gives NaN. Put the NaN back so that it is never hidden.
+        x = x + q.sum(-1, keepdim=True) * 0
         return x.permute(2, 0, 1, 3)  # [seq_q, batch, heads, d_k]
 
     def attention_fast(self, query, key, value, mask):
