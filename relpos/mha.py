@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['check_sequence', 'PrepareForMultiHeadAttention', 'MultiHeadAttention']
 
-# %% ../nbs/01_mha.ipynb #51d1381d
+# %% ../nbs/01_mha.ipynb #1a6bc78a
 import math
 from typing import Optional, List, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-# %% ../nbs/01_mha.ipynb #09e20d94
+# %% ../nbs/01_mha.ipynb #ed04e896
 def check_sequence(x, name, d_model=None):
     "Check that `x` is a `[seq_len, batch, d_model]` float tensor; raise an error naming `name` otherwise."
     if not isinstance(x, torch.Tensor):
@@ -24,7 +24,7 @@ def check_sequence(x, name, d_model=None):
     if d_model is not None and x.shape[-1] != d_model:
         raise ValueError(f"{name} must have d_model={d_model} features in its last dim, got shape {tuple(x.shape)}")
 
-# %% ../nbs/01_mha.ipynb #394f06a9
+# %% ../nbs/01_mha.ipynb #f62c3732
 class PrepareForMultiHeadAttention(nn.Module):
     "Linear projection of `[..., d_model]` followed by a split into `heads` vectors of `d_k`: `[..., heads, d_k]`."
     def __init__(self,
@@ -42,7 +42,7 @@ class PrepareForMultiHeadAttention(nn.Module):
         # Project, then split the last dimension into heads: `[..., heads, d_k]`
         return self.linear(x).unflatten(-1, (self.heads, self.d_k))
 
-# %% ../nbs/01_mha.ipynb #3635f4bb
+# %% ../nbs/01_mha.ipynb #74041470
 class MultiHeadAttention(nn.Module):
     "Multi-head attention with labml_nn's interface, state_dict and numbers; sequence first."
     def __init__(self,
@@ -120,16 +120,19 @@ class MultiHeadAttention(nn.Module):
             bias = bias.to(scores.dtype)
             if bias.dim() == 3: bias = bias.unsqueeze(0)
             scores = scores + bias.permute(2, 3, 0, 1)  # [B, H, sq, sk] -> [sq, sk, B, H]
+        row_ok = None
         if mask is not None:
-            # A row whose keys are all masked would be softmax(-inf, ..., -inf) = NaN. Give it
-            # finite dummy scores (0) and zero its weights after the softmax instead.
+            # A row whose keys are all masked would be softmax(-inf, ..., -inf) = NaN. Its mask row
+            # becomes "attend to all" (finite softmax, finite gradients) and its output is zeroed
+            # below; these steps touch only mask-sized and output-sized tensors, not the scores.
             row_ok = mask.any(dim=1, keepdim=True)
             scores = scores.masked_fill(~(mask | ~row_ok), float('-inf'))
-            attn = self.softmax(scores) * row_ok
-        else:
-            attn = self.softmax(scores)
+        attn = self.softmax(scores)
         attn = self.dropout(attn)
         x = torch.einsum('ijbh,jbhd->ibhd', attn, value)
+        if row_ok is not None:
+            x = x * row_ok[:, 0, :, :, None]                    # [sq|1, b|1, 1, 1] over [sq, b, h, d]
+            attn = attn.detach() * row_ok                       # stored weights: zero rows, as documented
         return x, attn
 
     def sdpa(self, query, key, value, mask, bias=None):
