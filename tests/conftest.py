@@ -13,24 +13,25 @@ _RELIABILITY = []
 
 def pytest_runtest_logreport(report):
     if report.when != "call" and not (report.when == "setup" and report.skipped): return
-    for key, value in getattr(report, "user_properties", ()):
-        if key != "reliability": continue
-        module, case, expected = value
-        if report.skipped and hasattr(report, "wasxfail"): outcome = "XFAIL (known bug)"
-        elif report.skipped: outcome = "skipped"
-        elif report.passed and hasattr(report, "wasxfail"): outcome = "XPASS"
-        elif report.passed: outcome = expected
-        else: outcome = "FAILED"
-        _RELIABILITY.append((module, case, outcome))
+    props = dict(getattr(report, "user_properties", ()))
+    if "reliability" not in props: return
+    module, case, _ = props["reliability"]
+    if report.skipped and hasattr(report, "wasxfail"): outcome = f"XFAIL ({report.wasxfail})"
+    elif report.skipped: outcome = "skipped (module not there yet)"
+    elif report.passed and hasattr(report, "wasxfail"): outcome = "XPASS (fixed? remove the xfail)"
+    elif report.passed: outcome = props.get("reliability_outcome", "ok")
+    else: outcome = "FAILED"
+    _RELIABILITY.append((module, case, outcome))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _RELIABILITY: return
     tr = terminalreporter
     tr.section("relpos reliability: bad-input matrix")
-    width = max(len(f"{m}.{c}") for m, c, _ in _RELIABILITY)
+    wm = max(len(m) for m, _, _ in _RELIABILITY)
+    wc = max(len(c) for _, c, _ in _RELIABILITY)
     counts = defaultdict(int)
     for module, case, outcome in sorted(_RELIABILITY):
-        tr.write_line(f"{module + '.' + case:<{width}}  {outcome}")
-        counts[outcome] += 1
+        tr.write_line(f"{module:<{wm}}  {case:<{wc}}  {outcome}")
+        counts[outcome.split(' (')[0]] += 1
     tr.write_line(f"{len(_RELIABILITY)} cases: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items())))
