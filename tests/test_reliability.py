@@ -631,3 +631,149 @@ def test_bad_input(module, target, name, fn, record_property):
     if not hasattr(mod, target): pytest.skip(f"relpos.{module}.{target} does not exist yet")
     outcome = _run_isolated(module, target, name) if (module, target, name) in CRASHES else fn(mod)
     record_property("reliability_outcome", outcome)
+
+
+# ================================================================ every module, the same checks
+# State, determinism, dtype, torch.compile and gradcheck, one row per module; each chapter's own
+# tests go deeper. Modules are built small; dropout off.
+MODULES = {
+    "mha.MultiHeadAttention": ("mha", "MultiHeadAttention", dict(heads=H, d_model=D, dropout_prob=0.0), "labml"),
+    "fourier.FourierMultiHeadAttention": ("fourier", "FourierMultiHeadAttention",
+                                          dict(heads=H, d_model=D, dropout_prob=0.0, max_number_of_keys=16,
+                                               position_vector_size=8), "labml"),
+    "relative_mha.RelativeMultiHeadAttention": ("relative_mha", "RelativeMultiHeadAttention",
+                                                dict(heads=H, d_model=D, dropout_prob=0.0), "labml"),
+    "shaw.RelationAwareMultiHeadAttention": ("shaw", "RelationAwareMultiHeadAttention",
+                                             dict(hidden_size=D, num_heads=H, k=2), "shaw"),
+    "context_choice.ContextChoiceLinear": ("context_choice", "ContextChoiceLinear",
+                                           dict(attention_heads=H, embedding_dim=D), "gate"),
+    "context_choice.ContextChoiceConstant": ("context_choice", "ContextChoiceConstant",
+                                             dict(attention_heads=H, embedding_dim=D), "gate"),
+}
+
+
+def _module(name, seed=0):
+    module, cls, kw, _ = MODULES[name]
+    try:
+        mod = importlib.import_module(f"relpos.{module}")
+    except ModuleNotFoundError as e:
+        if e.name in (f"relpos.{module}", "relpos"): pytest.skip(f"relpos.{module} does not exist yet")
+        raise
+    if not hasattr(mod, cls): pytest.skip(f"relpos.{module}.{cls} does not exist yet")
+    torch.manual_seed(seed)
+    m = getattr(mod, cls)(**kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():   # zero-initialised tables (Transformer-XL's) would make many checks vacuous
+        for p in m.parameters(): p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return m.eval()
+
+
+def _example(name, dtype=torch.float32, seed=1, requires_grad=False):
+    "Positional inputs and a call for module `name` (a mask with one fully masked query / padded row)."
+    layout = MODULES[name][3]
+    g = torch.Generator().manual_seed(seed)
+    if layout == "labml":
+        x = torch.randn(5, 2, D, generator=g).to(dtype).requires_grad_(requires_grad)
+        mask = torch.ones(3, 5, 2, dtype=torch.bool).tril(2); mask[1, :, 1] = False
+        return (x,), lambda m, x: m(query=x[-3:], key=x, value=x, mask=mask)
+    if layout == "shaw":
+        x = torch.randn(2, 5, D, generator=g).to(dtype).requires_grad_(requires_grad)
+        mask = torch.ones(2, 5); mask[1, 3:] = 0
+        return (x,), lambda m, x: m(x, x, x, mask=mask)
+    a, b = (torch.randn(2, 5, D, generator=g).to(dtype).requires_grad_(requires_grad) for _ in range(2))
+    return (a, b), lambda m, a, b: m(a, b)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_same_seed_same_outputs_and_state_round_trips(name):
+    import copy, io, pickle
+    m = _module(name)
+    inputs, call = _example(name)
+    ref = call(m, *inputs)
+    assert ref.isfinite().all()
+    assert torch.equal(call(_module(name), *inputs), ref), "same seed, different outputs"
+    assert not torch.equal(call(_module(name, seed=5), *inputs), ref), "the seed is ignored"
+    other = _module(name, seed=7)
+    other.load_state_dict(m.state_dict(), strict=True)
+    assert torch.equal(call(other, *inputs), ref), "state_dict round trip"
+    assert torch.equal(call(copy.deepcopy(m), *inputs), ref), "deepcopy"
+    assert torch.equal(call(pickle.loads(pickle.dumps(m)), *inputs), ref), "pickle"
+    buf = io.BytesIO(); torch.save(m.state_dict(), buf); buf.seek(0)
+    other = _module(name, seed=9); other.load_state_dict(torch.load(buf, weights_only=True))
+    assert torch.equal(call(other, *inputs), ref), "torch.save / torch.load"
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_to_float64(name):
+    m = _module(name)
+    inputs, call = _example(name)
+    ref = call(m, *inputs)
+    out = call(m.to(torch.float64), *(x.double() for x in inputs))
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out.float(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_compile_fullgraph_matches_eager(name):
+    m = _module(name)
+    inputs, call = _example(name)
+    ref = call(m, *inputs)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(call(compiled, *inputs), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_gradcheck_float64(name):
+    m = _module(name).to(torch.float64)
+    inputs, call = _example(name, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *xs: call(m, *xs), inputs, eps=1e-6, atol=1e-5)
+
+
+# ================================================================ properties (hypothesis)
+from hypothesis import given, settings, strategies as st
+
+LABML = [n for n, spec in MODULES.items() if spec[3] == "labml"]
+
+
+@pytest.mark.parametrize("name", LABML)
+@settings(max_examples=15, deadline=None)
+@given(sq=st.integers(1, 6), mem=st.integers(0, 5), b=st.integers(1, 2), p=st.floats(0, 0.9),
+       seed=st.integers(0, 1000))
+def test_fast_path_equals_readable_path(name, sq, mem, b, p, seed):
+    m = _module(name)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sq + mem, b, D, generator=g)
+    mask = torch.rand(sq, sq + mem, b, generator=g) >= p
+    for mk in (None, mask):
+        kw = dict(query=x[mem:], key=x, value=x, mask=mk)
+        fast, ref = m(**kw), m(**kw, need_weights=True)
+        assert fast.isfinite().all()
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", LABML)
+@settings(max_examples=15, deadline=None)
+@given(sq=st.integers(1, 5), mem=st.integers(1, 4), drop=st.integers(1, 4), seed=st.integers(0, 1000))
+def test_masking_the_oldest_keys_equals_removing_them(name, sq, mem, drop, seed):
+    # With the last query aligned to the last key, dropping the oldest keys leaves every remaining
+    # relative distance unchanged, so this holds for the relative methods too.
+    drop = min(drop, mem)
+    m = _module(name)
+    x = torch.randn(sq + mem, 2, D, generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(1, sq + mem, 1, dtype=torch.bool); mask[0, :drop] = False
+    for need_weights in (False, True):
+        masked = m(query=x[mem:], key=x, value=x, mask=mask, need_weights=need_weights)
+        removed = m(query=x[mem:], key=x[drop:], value=x[drop:], need_weights=need_weights)
+        torch.testing.assert_close(masked, removed, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(nq=st.integers(1, 6), nk=st.integers(0, 6), shift=st.integers(1, 40), offset=st.integers(-8, 8))
+def test_fourier_bias_depends_only_on_relative_distance(nq, nk, shift, offset):
+    mod = pytest.importorskip("relpos.fourier")
+    r = mod.RelativeFourierPositions(num_heads=2, max_number_of_keys=16, position_vector_size=8)
+    with torch.no_grad(): r.rotation_matrix.normal_()
+    # moving every query and key `shift` positions later: same bias
+    a = r(nq, nk, offset=offset)
+    b = r(nq, nk + shift, offset=offset + shift)[..., shift:]
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
