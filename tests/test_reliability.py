@@ -363,6 +363,8 @@ for name, kw, names in [
     ("mask wrong seq_len_k", dict(mask=torch.ones(3, 4)), ("mask",)),
     ("mask wrong batch", dict(mask=torch.ones(2, 5)), ("mask",)),
     ("mask rank 3", dict(mask=torch.ones(3, 5, 5, 1)), ("mask",)),
+    ("query on another device (meta)", dict(query=torch.empty(3, 5, HS, device="meta")), ("query",)),
+    ("list query", dict(query=[[0.0] * HS]), ("query",)),
 ]:
     case(*S, name)(lambda mod, kw=kw, names=names: raises(lambda: _shaw_call(_shaw(mod), **kw), *names))
 
@@ -525,6 +527,8 @@ for cls in ("ContextChoiceLinear", "ContextChoiceConstant"):
         ("local/global dtype mismatch", lambda l, g: (l, g.double()), ("embeddings_local", "embeddings_global")),
         ("int local", lambda l, g: (l.long(), g), ("embeddings_local",)),
         ("list local", lambda l, g: (l.tolist(), g), ("embeddings_local",)),
+        ("inputs on another device (meta)", lambda l, g: (l.to("meta"), g.to("meta")),
+         ("embeddings_local", "embeddings_global", "embeddings")),
     ]:
         case(*C_, name)(lambda mod, fn=fn, names=names, cls=cls: raises(lambda: _gate(mod, cls)(*fn(*_lg())), *names))
 
