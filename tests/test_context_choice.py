@@ -456,3 +456,60 @@ def test_meliad_direction():
     with torch.no_grad():
         gate.bias.copy_(-ebias)
         torch.testing.assert_close(gate(attn.flatten(-2), ext.flatten(-2)), meliad.flatten(-2))
+
+
+# ------------------------------------------------------------------ more properties
+@settings(max_examples=25, deadline=None)
+@given(perm=st.permutations([0, 1, 2]), step=st.integers(1, 3), cls=st.sampled_from(CLASSES), seed=st.integers(0, 10_000))
+def test_any_strided_layout_matches_contiguous(perm, step, cls, seed):
+    """Inputs built as a permuted, strided view of a bigger tensor give exactly the contiguous result."""
+    torch.manual_seed(seed)
+    gate = cls(2, 8)
+    shape = (3, 4, 8)
+    # storage laid out in the order `perm`, last storage dim strided by `step`
+    storage_shape = [shape[i] for i in perm]
+    storage_shape[-1] *= step
+    base = torch.randn(storage_shape)[..., ::step]
+    inverse = [perm.index(i) for i in range(3)]
+    x = base.permute(*inverse)
+    assert x.shape == shape
+    y = torch.randn(shape)
+    with torch.no_grad():
+        assert torch.equal(gate(x, y), gate(x.contiguous(), y))
+        assert torch.equal(gate(y, x), gate(y, x.contiguous()))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_local_score_leaves_pending_loss_alone(cls):
+    gate = cls(4, 32)
+    x_local, x_global = pair(2, 3, 32)
+    gate(x_local, x_global)
+    pending = gate._loss_component
+    g = gate.local_score(x_global)
+    assert g.shape == (2, 3, 4) and gate._loss_component is pending
+    assert ((g > 0) & (g < 1)).all()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_autocast_bf16(cls):
+    torch.manual_seed(0)
+    gate = cls(4, 32)
+    x_local, x_global = pair(2, 3, 32)
+    ref = gate(x_local, x_global)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gate(x_local, x_global)
+        loss = gate.get_loss_component(strict=True)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_mixing_is_a_convex_combination_per_head():
+    """Each output feature lies between its local and global inputs (g in (0, 1)), and equals local where they agree."""
+    torch.manual_seed(0)
+    gate = ContextChoiceLinear(4, 32)
+    x_local, x_global = pair(5, 6, 32)
+    with torch.no_grad():
+        out = gate(x_local, x_global)
+        torch.testing.assert_close(gate(x_local, x_local), x_local)   # not bit-exact: x*g + x*(1-g) rounds
+    lo, hi = torch.minimum(x_local, x_global), torch.maximum(x_local, x_global)
+    assert ((out >= lo - 1e-6) & (out <= hi + 1e-6)).all()
