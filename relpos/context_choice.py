@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['LOCAL_LOSS_K', 'local_score_loss', 'BaseContextChoice', 'ContextChoiceLinear', 'ContextChoiceConstant']
 
-# %% ../nbs/05_context_choice.ipynb #54a199b3
+# %% ../nbs/05_context_choice.ipynb #1fca9657
 import math
 from typing import Optional
 
@@ -13,20 +13,28 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# %% ../nbs/05_context_choice.ipynb #01a79a80
+# %% ../nbs/05_context_choice.ipynb #50603f9a
 LOCAL_LOSS_K = 1.0 # default weight of the auxiliary loss (the seed's value)
 
-# %% ../nbs/05_context_choice.ipynb #69bc48c4
+# %% ../nbs/05_context_choice.ipynb #4262fd7f
 def local_score_loss(local_score: torch.Tensor, # gate *logits* $z$ (the seed's name; these are pre-sigmoid values)
                     ) -> torch.Tensor: # scalar $\frac{1}{N}\sum \mathrm{softplus}(z)$, in the dtype of `local_score`
     "Binary cross-entropy of the local gate against the target 0 (\"use the global context\"), averaged."
+    if not isinstance(local_score, torch.Tensor):
+        raise TypeError(f"local_score_loss: local_score must be a torch.Tensor of gate logits, got {type(local_score).__name__}")
+    if not local_score.is_floating_point():
+        raise ValueError(f"local_score_loss: local_score must be floating point (gate logits), got dtype {local_score.dtype}")
+    if local_score.numel() == 0:
+        # no gates (e.g. a zero-length sequence), no penalty: the mean over no logits is 0/0 = NaN and would
+        # poison the whole training loss. The empty sum is 0 and keeps the graph.
+        return local_score.sum()
     # A fresh contiguous target with the logits' dtype and device, as in the seed. Not `zeros_like`: it would copy the
     # strides of a non-contiguous `local_score` (einsum's output often is one), change the order of the mean's
     # additions and move the loss one ulp away from the seed's.
     target = torch.zeros(local_score.shape, dtype=local_score.dtype, device=local_score.device)
     return F.binary_cross_entropy_with_logits(local_score, target)
 
-# %% ../nbs/05_context_choice.ipynb #26934cb5
+# %% ../nbs/05_context_choice.ipynb #32733a81
 def _check_positive_int(owner:str, # class name, for the message
                         name:str, # argument name, for the message
                         value): # the value received
@@ -36,7 +44,7 @@ def _check_positive_int(owner:str, # class name, for the message
     if value <= 0:
         raise ValueError(f"{owner}: {name} must be > 0, got {value}")
 
-# %% ../nbs/05_context_choice.ipynb #bbf3a666
+# %% ../nbs/05_context_choice.ipynb #97d66e26
 def _check_embeddings(gate:nn.Module, # the context-choice module (for its name, sizes and parameters)
                       embeddings_local, # should be `[batch, seq_len, embedding_dim]`, floating point
                       embeddings_global): # same shape, dtype and device as `embeddings_local`
@@ -63,7 +71,7 @@ def _check_embeddings(gate:nn.Module, # the context-choice module (for its name,
             raise ValueError(f"{owner}: parameter {pname} is on {p.device} but the embeddings are on "
                              f"{embeddings_local.device}; move the module with .to(device)")
 
-# %% ../nbs/05_context_choice.ipynb #65ef6268
+# %% ../nbs/05_context_choice.ipynb #80b76703
 class BaseContextChoice(nn.Module):
     """Base class for every context choice method: per head, `g * embeddings_local + (1 - g) * embeddings_global`
     with `g = sigmoid(local_logits(...))`. Subclasses define `local_logits`."""
@@ -139,7 +147,7 @@ class BaseContextChoice(nn.Module):
         state["_loss_component"] = None
         return state
 
-# %% ../nbs/05_context_choice.ipynb #eb9daca8
+# %% ../nbs/05_context_choice.ipynb #1692e57c
 class ContextChoiceLinear(BaseContextChoice):
     "Per-token gate from a linear classifier per head: $g_h = \\sigma(w_h^\\top x^{loc}_h + b_h)$."
     def __init__(self,
@@ -159,7 +167,7 @@ class ContextChoiceLinear(BaseContextChoice):
         # head h's vector dotted with head h's weights, every head in one batched contraction
         return torch.einsum("bshd,hda->bsha", x, w) + b.view(1, 1, self.attention_heads, 1)
 
-# %% ../nbs/05_context_choice.ipynb #bbb31cb5
+# %% ../nbs/05_context_choice.ipynb #17fbe62d
 class ContextChoiceConstant(BaseContextChoice):
     "Per-head gate, the same for every token (the Memorizing Transformer's): $g_h = \\sigma(b_h)$."
     def __init__(self,

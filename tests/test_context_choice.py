@@ -513,3 +513,22 @@ def test_mixing_is_a_convex_combination_per_head():
         torch.testing.assert_close(gate(x_local, x_local), x_local)   # not bit-exact: x*g + x*(1-g) rounds
     lo, hi = torch.minimum(x_local, x_global), torch.maximum(x_local, x_global)
     assert ((out >= lo - 1e-6) & (out <= hi + 1e-6)).all()
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_zero_length_sequence(cls):
+    gate = cls(4, 32)
+    x_local, x_global = pair(3, 0, 32, requires_grad=True)
+    out = gate(x_local, x_global)
+    loss = gate.get_loss_component(strict=True)
+    assert out.shape == (3, 0, 32) and torch.isfinite(loss)
+    (out.sum() + loss).backward()
+
+
+def test_local_score_loss_bad_inputs():
+    assert local_score_loss(torch.empty(0)).item() == 0.0
+    assert seed_local_score_loss(torch.empty(0)).isnan()          # the seed's value, the one change
+    with pytest.raises(TypeError, match="local_score must be a torch.Tensor"):
+        local_score_loss([0.0, 1.0])
+    with pytest.raises(ValueError, match="local_score must be floating point"):
+        local_score_loss(torch.zeros(3, dtype=torch.long))
