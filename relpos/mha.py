@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['check_sequence', 'PrepareForMultiHeadAttention', 'MultiHeadAttention']
 
-# %% ../nbs/01_mha.ipynb #1a6bc78a
+# %% ../nbs/01_mha.ipynb #5e303612
 import math
 from typing import Optional, List, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-# %% ../nbs/01_mha.ipynb #ed04e896
+# %% ../nbs/01_mha.ipynb #e0ef975b
 def check_sequence(x, name, d_model=None):
     "Check that `x` is a `[seq_len, batch, d_model]` float tensor; raise an error naming `name` otherwise."
     if not isinstance(x, torch.Tensor):
@@ -24,7 +24,7 @@ def check_sequence(x, name, d_model=None):
     if d_model is not None and x.shape[-1] != d_model:
         raise ValueError(f"{name} must have d_model={d_model} features in its last dim, got shape {tuple(x.shape)}")
 
-# %% ../nbs/01_mha.ipynb #f62c3732
+# %% ../nbs/01_mha.ipynb #a92e7874
 class PrepareForMultiHeadAttention(nn.Module):
     "Linear projection of `[..., d_model]` followed by a split into `heads` vectors of `d_k`: `[..., heads, d_k]`."
     def __init__(self,
@@ -42,7 +42,7 @@ class PrepareForMultiHeadAttention(nn.Module):
         # Project, then split the last dimension into heads: `[..., heads, d_k]`
         return self.linear(x).unflatten(-1, (self.heads, self.d_k))
 
-# %% ../nbs/01_mha.ipynb #74041470
+# %% ../nbs/01_mha.ipynb #37f8cf44
 class MultiHeadAttention(nn.Module):
     "Multi-head attention with labml_nn's interface, state_dict and numbers; sequence first."
     def __init__(self,
@@ -92,6 +92,8 @@ class MultiHeadAttention(nn.Module):
         if (mask.dim() != 3 or mask.shape[0] not in (1, sq) or mask.shape[1] != sk or mask.shape[2] not in (1, b)):
             raise ValueError(f"mask must have shape [seq_len_q or 1, seq_len_k, batch or 1] = [{sq} or 1, {sk}, {b} or 1], "
                              f"got {tuple(mask.shape)}")
+        if mask.device != self.output.weight.device:
+            raise ValueError(f"mask is on {mask.device} but the module's parameters are on {self.output.weight.device}")
         return mask.unsqueeze(-1)
 
     def check_inputs(self, query, key, value, mask):
