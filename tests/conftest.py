@@ -20,6 +20,7 @@ def pytest_runtest_logreport(report):
     elif report.skipped: outcome = "skipped (module not there yet)"
     elif report.passed and hasattr(report, "wasxfail"): outcome = "XPASS (fixed? remove the xfail)"
     elif report.passed: outcome = props.get("reliability_outcome", "ok")
+    elif "XPASS(strict)" in str(report.longrepr): outcome = "XPASS (fixed? remove the xfail)"
     else: outcome = "FAILED"
     _RELIABILITY.append((module, case, outcome))
 

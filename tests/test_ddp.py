@@ -118,27 +118,28 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ddp_results():
+def test_ddp_matches_single_process():
+    # One test (not one per module): under pytest-xdist a module-scoped fixture would spawn the
+    # process group once per worker.
     names = _available()
     if not names: pytest.skip("no relpos module with parameters exists yet")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with tempfile.TemporaryDirectory() as outdir:
         mp.spawn(_worker, args=(_free_port(), names, outdir), nprocs=WORLD, join=True)
         ranks = [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=True) for r in range(WORLD)]
-    return names, ranks
-
-
-@pytest.mark.parametrize("name", list(SPECS))
-def test_ddp_matches_single_process(name, ddp_results):
-    names, ranks = ddp_results
-    if name not in names: pytest.skip(f"relpos.{SPECS[name][0]}.{SPECS[name][1]} does not exist yet")
     torch.set_num_threads(1)
-    single = _train(_build(name), name)
-    for step in range(2):
-        g0, g1, gs = ranks[0][name][step], ranks[1][name][step], single[step]
-        assert g0.keys() == gs.keys() and g1.keys() == gs.keys(), "parameters without gradient differ"
-        for k in gs:
-            assert torch.equal(g0[k], g1[k]), f"step {step}: {k} differs between ranks"
-            torch.testing.assert_close(g0[k], gs[k], rtol=1e-6, atol=1e-6,
-                                       msg=lambda m, k=k, step=step: f"step {step}, {k}: DDP vs single process: {m}")
+    errors = []
+    for name in names:
+        single = _train(_build(name), name)
+        for step in range(2):
+            g0, g1, gs = ranks[0][name][step], ranks[1][name][step], single[step]
+            if not (g0.keys() == g1.keys() == gs.keys()):
+                errors.append(f"{name} step {step}: parameters with a gradient differ"); continue
+            for k in gs:
+                if not torch.equal(g0[k], g1[k]): errors.append(f"{name} step {step}: {k} differs between ranks")
+                err = (g0[k] - gs[k]).abs().max().item()
+                if err > 1e-6 * max(1.0, gs[k].abs().max().item()):
+                    errors.append(f"{name} step {step}: {k} DDP vs single process, max abs diff {err:.2e}")
+    print(f"DDP (gloo, 2 ranks, 2 SGD steps) checked: {', '.join(names)}; "
+          f"not there yet: {', '.join(n for n in SPECS if n not in names) or 'none'}")
+    assert not errors, "\n".join(errors)
