@@ -1,0 +1,250 @@
+"Tests of `relpos.fourier` that would clutter the chapter: meliad parity, gradcheck, compile, bf16, state, errors, training."
+import copy, io, os, pickle
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from relpos.fourier import position_encoding, RelativeFourierPositions, FourierMultiHeadAttention, sdpa_bias
+from relpos.mha import MultiHeadAttention
+
+REF = np.load(os.path.join(os.path.dirname(__file__), 'data', 'fourier_meliad.npz'))
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+
+
+def meliad_np(rot, nq, nk, offset, p, max_keys):
+    "A NumPy transcription of meliad's RelativeFourierPositions.__call__ (float32), independent of relpos."
+    def pe(n, off):
+        t = np.arange(0, p // 2, dtype=np.float32) / (p // 2)
+        w = (float(2 * max_keys) ** t).reshape(1, -1)
+        k = np.arange(off, n + off, dtype=np.float32).reshape(n, 1)
+        a = np.array(np.pi, dtype=np.float32) * k / w
+        return np.concatenate([np.cos(a, dtype=np.float32), np.sin(a, dtype=np.float32)], axis=1)
+    if offset is None: offset = nk - nq
+    ks, qs = pe(nk, 0), pe(nq, offset)
+    qx, qy = np.split(qs, 2, axis=-1)
+    qs_xs, qs_ys = np.concatenate([qx, qx], -1), np.concatenate([qy, qy], -1)
+    rm_a, rm_b = np.split(rot, 2, axis=-1)
+    rmat2 = np.concatenate([-rm_b, rm_a], -1)
+    rot_qs = rot[:, None] * qs_xs[None] + rmat2[:, None] * qs_ys[None]
+    return np.einsum('hqd,kd->hqk', rot_qs, ks)[None]
+
+
+# ---------------------------------------------------------------- parity with meliad (JAX/flax numbers)
+@pytest.mark.parametrize("name", ['pe_default', 'pe_offset', 'pe_large', 'pe_odd_wl'])
+def test_position_encoding_matches_meliad(name):
+    n, d, off, mw = REF[name + '_args']
+    ours = position_encoding(int(n), int(d), offset=int(off), max_wavelength=int(mw) if mw == int(mw) else float(mw))
+    assert ours.dtype == torch.float32
+    assert rel_err(ours, REF[name]) <= 1e-6
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("name", ['default_square', 'default_memory', 'inside', 'before', 'after', 'q_longer',
+                                  'q_longer_neg', 'far'])
+def test_bias_matches_meliad(name, fast):
+    m = RelativeFourierPositions(4, 64, 32)
+    with torch.no_grad(): m.rotation_matrix.copy_(torch.from_numpy(REF['small_rotation']))
+    nq, nk, off = (int(x) for x in REF[f'small_{name}_args'])
+    off = None if off == -10**9 else off
+    out = m(nq, nk, off, fast=fast).detach()
+    assert out.shape == REF[f'small_{name}'].shape
+    # fast path: within 1e-5 while positions stay small; 'far' (positions ~500) is meliad's float32 angle rounding
+    tol = 1e-6 if not fast else (1e-4 if name == 'far' else 1e-5)
+    assert rel_err(out, REF[f'small_{name}']) <= tol
+
+
+def test_default_module_matches_meliad():
+    m = RelativeFourierPositions()
+    assert rel_err(m(64, 128, fast=False).detach(), REF['big_init']) <= 1e-6
+    with torch.no_grad(): m.rotation_matrix.copy_(torch.from_numpy(REF['big_rotation']))
+    for fast in (False, True):
+        assert rel_err(m(64, 128, fast=fast).detach(), REF['big_random']) <= 1e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(nq=st.integers(0, 20), nk=st.integers(0, 20), offset=st.one_of(st.none(), st.integers(-40, 40)),
+       p=st.sampled_from([2, 8, 16]), max_keys=st.integers(1, 40), seed=st.integers(0, 10))
+def test_property_matches_numpy_transcription(nq, nk, offset, p, max_keys, seed):
+    if offset is None and nk < nq:
+        with pytest.raises(ValueError, match="num_keys"): RelativeFourierPositions(3, max_keys, p)(nq, nk, offset)
+        return
+    rot = np.random.default_rng(seed).standard_normal((3, p)).astype(np.float32)
+    m = RelativeFourierPositions(3, max_keys, p)
+    with torch.no_grad(): m.rotation_matrix.copy_(torch.from_numpy(rot))
+    ref = meliad_np(rot, nq, nk, offset, p, max_keys)
+    for fast in (False, True):
+        out = m(nq, nk, offset, fast=fast).detach().numpy()
+        assert out.shape == ref.shape == (1, 3, nq, nk)
+        if ref.size: np.testing.assert_allclose(out, ref, atol=1e-5 * max(1.0, np.abs(rot).sum(-1).max()))
+
+
+def test_bidirectional_is_ignored_like_meliad():
+    m = RelativeFourierPositions(2, 16, 8)
+    assert torch.equal(m(5, 7, bidirectional=False), m(5, 7, bidirectional=True))
+
+
+# ---------------------------------------------------------------- gradients
+@pytest.mark.parametrize("fast", [False, True])
+def test_gradcheck_rotation_matrix(fast):
+    m = RelativeFourierPositions(2, 16, 8, dtype=torch.float64).double()
+    rot = torch.randn(2, 8, dtype=torch.float64, requires_grad=True)
+    def f(r):
+        return torch.func.functional_call(m, {'rotation_matrix': r}, (4, 6), {'offset': -2, 'fast': fast})
+    assert torch.autograd.gradcheck(f, (rot,))
+
+
+def test_gradcheck_sdpa_bias():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (3, 5, 5))
+    bias = torch.randn(1, 2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: sdpa_bias(*a, 0.5), (q, k, v, bias))
+
+
+def test_fast_and_einsum_gradients_agree():
+    m = RelativeFourierPositions(4, 32, 16)
+    with torch.no_grad(): m.rotation_matrix.normal_()
+    g = torch.randn(1, 4, 9, 12)
+    grads = [torch.autograd.grad((m(9, 12, 1, fast=f) * g).sum(), m.rotation_matrix)[0] for f in (False, True)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- compile, dtypes, devices
+def test_torch_compile_bias_and_layer():
+    m = RelativeFourierPositions(2, 16, 8)
+    eager = m(5, 7)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=False)
+    torch.testing.assert_close(compiled(5, 7), eager)
+    layer = FourierMultiHeadAttention(2, 16, dropout_prob=0.0, max_number_of_keys=16, position_vector_size=8)
+    x = torch.randn(6, 2, 16)
+    ref = layer(query=x, key=x, value=x)
+    out = torch.compile(layer, backend="aot_eager")(query=x, key=x, value=x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.sum().backward()
+    assert layer.positions.rotation_matrix.grad is not None
+
+
+def test_inductor_compile_bias():
+    m = RelativeFourierPositions(2, 16, 8)
+    f = torch.compile(lambda n: m(n, n))
+    torch.testing.assert_close(f(6), m(6, 6))
+
+
+def test_bf16_dtype():
+    m = RelativeFourierPositions(2, 32, 16, dtype=torch.bfloat16)
+    out = m(8, 8)
+    assert out.dtype == torch.bfloat16
+    ref = RelativeFourierPositions(2, 32, 16)(8, 8)
+    torch.testing.assert_close(out.float(), ref, rtol=0.02, atol=0.02)
+    assert m.rotation_matrix.dtype == torch.float32   # the parameter stays float32, as in meliad
+
+
+def test_buffers_follow_to_and_grow():
+    m = RelativeFourierPositions(2, 8, 8)
+    m.to(torch.float64)
+    assert m(3, 20).shape == (1, 2, 3, 20)            # beyond max_number_of_keys: the distance table grows
+    assert m.distances.shape[0] >= 22
+    assert m(3, 20, fast=False).shape == (1, 2, 3, 20)
+    assert m.positions.shape[0] >= 20
+    tables = m.positions, m.distances
+    m(3, 20); m(3, 20, fast=False)                    # not rebuilt for the same size
+    assert m.positions is tables[0] and m.distances is tables[1]
+
+
+# ---------------------------------------------------------------- state
+def test_state_dict_has_only_the_parameter_and_round_trips():
+    a, b = RelativeFourierPositions(2, 16, 8), RelativeFourierPositions(2, 16, 8)
+    with torch.no_grad(): a.rotation_matrix.normal_()
+    assert list(a.state_dict()) == ['rotation_matrix']   # caches are non-persistent
+    a(3, 40)                                             # grow a's caches: still only the parameter
+    assert list(a.state_dict()) == ['rotation_matrix']
+    b.load_state_dict(a.state_dict(), strict=True)
+    assert torch.equal(a(4, 6), b(4, 6))
+    buf = io.BytesIO(); torch.save(a.state_dict(), buf); buf.seek(0)
+    b.load_state_dict(torch.load(buf)); assert torch.equal(a(4, 6), b(4, 6))
+    for c in (copy.deepcopy(a), pickle.loads(pickle.dumps(a))):
+        assert torch.equal(c(4, 6), a(4, 6))
+
+
+def test_layer_state_dict_keys():
+    layer = FourierMultiHeadAttention(4, 32)
+    base = MultiHeadAttention(4, 32)
+    assert list(layer.state_dict()) == list(base.state_dict()) + ['positions.rotation_matrix']
+    assert layer.state_dict()['positions.rotation_matrix'].shape == (4, 128)
+
+
+# ---------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("call, match", [
+    (lambda: position_encoding(10, 7), "input_dim must be even"),
+    (lambda: position_encoding(0, 8), "max_wavelength must be > 1"),
+    (lambda: position_encoding(5, 8, max_wavelength=0.5), "max_wavelength must be > 1"),
+    (lambda: position_encoding(-2, 8, max_wavelength=4), "num_positions must be >= 0"),
+    (lambda: RelativeFourierPositions(position_vector_size=5), "position_vector_size must be even"),
+    (lambda: RelativeFourierPositions(max_number_of_keys=0), "max_number_of_keys must be >= 1"),
+    (lambda: RelativeFourierPositions(num_heads=0), "num_heads must be >= 1"),
+    (lambda: RelativeFourierPositions(2, 8, 8)(6, 4), r"num_keys \(4\) must be >= num_queries \(6\)"),
+    (lambda: RelativeFourierPositions(2, 8, 8)(-1, 4), "num_queries must be >= 0"),
+    (lambda: RelativeFourierPositions(2, 8, 8)(3, -4, offset=0), "num_keys must be >= 0"),
+])
+def test_bad_values(call, match):
+    with pytest.raises(ValueError, match=match): call()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: position_encoding(4.0, 8), "num_positions must be an int"),
+    (lambda: RelativeFourierPositions(2, 8, 8)(3, 4, offset=1.5), "offset must be an int"),
+    (lambda: RelativeFourierPositions(2, 8, 8)(True, 4), "num_queries must be an int"),
+    (lambda: RelativeFourierPositions(dtype=torch.int32), "dtype must be a floating-point"),
+])
+def test_bad_types(call, match):
+    with pytest.raises(TypeError, match=match): call()
+
+
+def test_layer_refuses_queries_longer_than_keys():
+    layer = FourierMultiHeadAttention(2, 16, max_number_of_keys=16, position_vector_size=8)
+    with pytest.raises(ValueError, match="key must be at least as long as query"):
+        layer(query=torch.randn(5, 1, 16), key=torch.randn(3, 1, 16), value=torch.randn(3, 1, 16))
+
+
+def test_empty_sequences():
+    m = RelativeFourierPositions(2, 8, 8)
+    assert m(0, 5).shape == (1, 2, 0, 5) and m(3, 0, offset=-3).shape == (1, 2, 3, 0)
+
+
+# ---------------------------------------------------------------- the attention layer
+def test_layer_paths_agree_with_dropout_in_eval():
+    torch.manual_seed(0)
+    layer = FourierMultiHeadAttention(4, 32, max_number_of_keys=32, position_vector_size=16).eval()
+    x = torch.randn(7, 2, 32)
+    torch.testing.assert_close(layer(query=x, key=x, value=x, need_weights=True), layer(query=x, key=x, value=x))
+
+
+def test_layer_dropout_training_path_runs():
+    torch.manual_seed(0)
+    layer = FourierMultiHeadAttention(4, 32, dropout_prob=0.5, max_number_of_keys=32, position_vector_size=16).train()
+    x = torch.randn(7, 2, 32)
+    layer(query=x, key=x, value=x).sum().backward()
+    assert layer.positions.rotation_matrix.grad.abs().sum() > 0
+
+
+def test_layer_trains_on_copy_back_task():
+    "y_i = x_{i-2} under a causal mask: impossible without positions; the loss must fall well below plain MHA's."
+    def train(model, steps=120, n=16, batch=8, d=16, shift=2):
+        torch.manual_seed(1)
+        opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[..., None]
+        for _ in range(steps):
+            x = torch.randn(n, batch, d)
+            loss = F.mse_loss(model(query=x, key=x, value=x, mask=causal)[shift:], x[:-shift])
+            opt.zero_grad(); loss.backward(); opt.step()
+        return loss.item()
+    torch.manual_seed(0)
+    fourier = train(FourierMultiHeadAttention(2, 16, dropout_prob=0.0, max_number_of_keys=16, position_vector_size=16))
+    torch.manual_seed(0)
+    plain = train(MultiHeadAttention(2, 16, dropout_prob=0.0))
+    assert fourier < 0.6 * plain, (fourier, plain)
