@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-WORLD, BATCH, SEQ_Q, SEQ_K, D, H = 2, 4, 5, 8, 16, 2
+WORLD, BATCH, SEQ_Q, SEQ_K, D, H, VOCAB = 2, 4, 5, 8, 16, 2, 13
 
 # name -> (module, class, constructor kwargs, layout)
 SPECS = {
@@ -20,6 +20,11 @@ SPECS = {
                                                position_vector_size=8), "labml"),
     "relative_mha.RelativeMultiHeadAttention": ("relative_mha", "RelativeMultiHeadAttention",
                                                 dict(heads=H, d_model=D, dropout_prob=0.0), "labml"),
+    "relative_mha.XLRelativeMultiHeadAttention": ("relative_mha", "XLRelativeMultiHeadAttention",
+                                                  dict(heads=H, d_model=D, dropout_prob=0.0), "labml"),
+    "relative_mha.TransformerXLModel": ("relative_mha", "TransformerXLModel",
+                                        dict(n_vocab=VOCAB, d_model=D, heads=H, d_ff=32, n_layers=2, mem_len=SEQ_Q,
+                                             max_seq_len=SEQ_Q), "tokens"),
     "shaw.RelationAwareMultiHeadAttention": ("shaw", "RelationAwareMultiHeadAttention",
                                              dict(hidden_size=D, num_heads=H, k=3), "shaw"),
     "context_choice.ContextChoiceLinear": ("context_choice", "ContextChoiceLinear",
@@ -61,6 +66,8 @@ def _data(name, step):
         x = torch.randn(BATCH, SEQ_K, D, generator=g)
         mask = torch.ones(BATCH, SEQ_K); mask[0, -2:] = 0; mask[3, -1:] = 0
         return dict(query=x, key=x, value=x, mask=mask), dict(query=0, key=0, value=0, mask=0)
+    if layout == "tokens":  # one segment per step; the second attends to the memory of the first
+        return dict(x=torch.randint(0, VOCAB, (SEQ_Q, BATCH), generator=g)), dict(x=1)
     loc, glo = torch.randn(2, BATCH, SEQ_K, D, generator=g)
     return dict(embeddings_local=loc, embeddings_global=glo), dict(embeddings_local=0, embeddings_global=0)
 
@@ -71,9 +78,12 @@ def _shard(data, dims, rank):
     return {k: v if v.shape[dims[k]] == 1 else v.narrow(dims[k], rank * n, n) for k, v in data.items()}
 
 
-def _call(m, name, data):
+def _call(m, name, data, state):
     layout = SPECS[name][3]
     if layout == "labml": return m(**data)
+    if layout == "tokens":
+        out, state["mem"] = m(data["x"], state.get("mem"))
+        return out
     if layout == "shaw": return m(data["query"], data["key"], data["value"], mask=data["mask"])
     return m(data["embeddings_local"], data["embeddings_global"])
 
@@ -87,13 +97,13 @@ def _loss(out, name, m):
 def _train(m, name, rank=None):
     "Two SGD steps; returns the gradients of each step (by parameter name)."
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    grads = []
+    grads, state = [], {}
     for step in range(2):
         data, dims = _data(name, step)
         if rank is not None: data = _shard(data, dims, rank)
         opt.zero_grad()
         inner = m.module if hasattr(m, "module") else m
-        _loss(_call(m, name, data), name, inner).backward()
+        _loss(_call(m, name, data, state), name, inner).backward()
         grads.append({k: p.grad.detach().clone() for k, p in inner.named_parameters() if p.grad is not None})
         opt.step()
     return grads
