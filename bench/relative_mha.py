@@ -1,0 +1,57 @@
+"""Benchmark of chapter 02 (Transformer-XL relative attention): forward+backward of one attention call,
+batch 4, 8 heads, d_model 512, against plain `scaled_dot_product_attention` with the same projections."""
+import torch
+from relpos.bench import bench_table
+from relpos.mha import MultiHeadAttention
+from relpos.relative_mha import RelativeMultiHeadAttention, XLRelativeMultiHeadAttention
+
+
+def _case(module, n, batch, d_model, device, mem, **call):
+    torch.manual_seed(0)
+    module = module.to(device).train()   # dropout_prob=0: train mode only to keep autograd as in training
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if 'pos' in name or name in ('u', 'v'): p.normal_(0, 0.02)
+    x = torch.randn(mem + n, batch, d_model, device=device, requires_grad=True)
+    def fn(x): return module(query=x[-n:], key=x, value=x, **call)
+    return fn, (x,)
+
+
+def make_sdpa(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
+    "relpos.mha.MultiHeadAttention: the same projections, no position term, `F.scaled_dot_product_attention`."
+    return _case(MultiHeadAttention(heads, d_model, dropout_prob=0.0), n, batch, d_model, device, mem)
+
+
+def make_fast(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
+    "RelativeMultiHeadAttention, fast path (chunked `relative_attention`)."
+    return _case(RelativeMultiHeadAttention(heads, d_model, dropout_prob=0.0, P=max(4096, n + mem)),
+                 n, batch, d_model, device, mem)
+
+
+def make_xl_fast(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
+    "XLRelativeMultiHeadAttention (sinusoid R, W_kR, u, v), fast path."
+    return _case(XLRelativeMultiHeadAttention(heads, d_model, dropout_prob=0.0), n, batch, d_model, device, mem)
+
+
+def make_readable(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
+    "RelativeMultiHeadAttention, readable path (labml's get_scores + shift_right, weights kept)."
+    return _case(RelativeMultiHeadAttention(heads, d_model, dropout_prob=0.0, P=max(4096, n + mem)),
+                 n, batch, d_model, device, mem, need_weights=True)
+
+
+def make_labml(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
+    "labml_nn's RelativeMultiHeadAttention (dev-only dependency)."
+    import IPython.core.display, IPython.display  # labml 0.4.168 needs these names on current IPython
+    IPython.core.display.display, IPython.core.display.HTML = IPython.display.display, IPython.display.HTML
+    from labml_nn.transformers.xl.relative_mha import RelativeMultiHeadAttention as Labml
+    return _case(Labml(heads, d_model, dropout_prob=0.0), n, batch, d_model, device, mem)
+
+
+CASES = {name: f'bench.relative_mha:make_{name}' for name in ['sdpa', 'fast', 'xl_fast', 'readable', 'labml']}
+
+
+def main(ns=(128, 512, 1024, 2048), reps=3, cases=None):
+    cases = {k: CASES[k] for k in (cases or CASES)}
+    configs = [dict(n=n, mem=m) for n in ns for m in (0, n)]
+    return bench_table(cases, configs, baseline='sdpa', reps=reps,
+                       title='relative_mha: forward+backward, batch 4, 8 heads, d_model 512 (mem: memory length, keys = mem + n)')
