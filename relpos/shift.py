@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['shift_right']
 
-# %% ../nbs/00_shift.ipynb #7eb11b8b
+# %% ../nbs/00_shift.ipynb #26141e2a
 import torch
 
-# %% ../nbs/00_shift.ipynb #d5e50855
+# %% ../nbs/00_shift.ipynb #31c1d21b
 def shift_right(x: torch.Tensor, # `[n_q, n_k, ...]`, any trailing dims (batch, heads)
                ) -> torch.Tensor: # `[n_q, n_k, ...]`: `out[i, j] = x[i, j - i]` for `j >= i`
     "Shift row $i$ of `x` right by $i$ columns (Transformer-XL's relative shift)."
