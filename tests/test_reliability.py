@@ -808,6 +808,19 @@ def test_to_float64(name):
     torch.testing.assert_close(out.float(), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 5e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("name", list(MODULES))
+def test_low_precision_forward(name, dtype, tol):
+    "The module and its inputs in bf16/fp16: output in that dtype, within `tol` (relative to the largest value) of float32."
+    m = _module(name)
+    inputs, call = _example(name)
+    ref = call(m, *inputs)
+    out = call(m.to(dtype), *(x.to(dtype) if x.is_floating_point() else x for x in inputs))
+    assert out.dtype == dtype
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= tol, f"{dtype}: relative error {err:.2e} > {tol}"
+
+
 # Where torch.compile cannot capture a module in one graph, and why (the module still compiles, with graph breaks).
 NO_FULLGRAPH = {
     "relative_mha.RelativeMultiHeadAttention": "its fast path, the autograd.Function relative_attention, calls "
