@@ -6,7 +6,7 @@
 __all__ = ['RelativeMultiHeadAttention', 'sinusoid_positions', 'XLRelativeMultiHeadAttention', 'relative_attention',
            'FeedForward', 'TransformerXLLayer', 'TransformerXL', 'merge_memory', 'TransformerXLModel']
 
-# %% ../nbs/02_relative_mha.ipynb #4c9dbd38
+# %% ../nbs/02_relative_mha.ipynb #786c00cd
 import copy, math
 from typing import List, Optional, Tuple
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 from .mha import MultiHeadAttention
 from .shift import shift_right
 
-# %% ../nbs/02_relative_mha.ipynb #04ce2d68
+# %% ../nbs/02_relative_mha.ipynb #179dab6e
 class _RelativeAttention(MultiHeadAttention):
     "Shared code of the relative modules: length checks, labml's `get_scores`, and the chunked fast path."
     max_len: Optional[int] = None   # longest key (and query) the position tables cover; None: no limit
@@ -69,7 +69,7 @@ class _RelativeAttention(MultiHeadAttention):
                                dropout_p=self.dropout.p if self.training else 0.0, chunk_size=self.chunk_size)
         return x.permute(2, 0, 1, 3)  # [n_q, batch, heads, d_k]
 
-# %% ../nbs/02_relative_mha.ipynb #7e18bf11
+# %% ../nbs/02_relative_mha.ipynb #cf2271c3
 class RelativeMultiHeadAttention(_RelativeAttention):
     "Transformer-XL relative multi-head attention with learned tables `R`, `S` (labml_nn's parameters and numbers)."
     def __init__(self, heads:int,                # number of heads
@@ -97,7 +97,7 @@ class RelativeMultiHeadAttention(_RelativeAttention):
 
     def content_bias(self): return self.query_pos_bias
 
-# %% ../nbs/02_relative_mha.ipynb #9d324510
+# %% ../nbs/02_relative_mha.ipynb #44534653
 def sinusoid_positions(distance:torch.Tensor, # `[n]` relative distances $i - j$ (any real values)
                        d_model:int,            # even number of features
                       ) -> torch.Tensor:       # `[n, d_model]`: `[sin(d w_k), cos(d w_k)]`, w_k = 10000^(-2k/d_model)
@@ -106,7 +106,7 @@ def sinusoid_positions(distance:torch.Tensor, # `[n]` relative distances $i - j$
     angles = distance.float()[:, None] * inv_freq[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
-# %% ../nbs/02_relative_mha.ipynb #a1ad499c
+# %% ../nbs/02_relative_mha.ipynb #5601cf9d
 class XLRelativeMultiHeadAttention(_RelativeAttention):
     "Transformer-XL's relative attention as in the paper: sinusoid `R`, learned projection `W_{k,R}` and biases `u`, `v`."
     def __init__(self, heads:int, d_model:int, dropout_prob:float=0.1, *,
@@ -128,84 +128,89 @@ class XLRelativeMultiHeadAttention(_RelativeAttention):
 
     def content_bias(self): return self.u
 
-# %% ../nbs/02_relative_mha.ipynb #c15ffd2e
+# %% ../nbs/02_relative_mha.ipynb #dda3ac16
 def _chunks(n_q:int, n_k:int, bh:int, chunk_size:Optional[int]):
-    "Query-row ranges; automatic size: about 2**24 score elements per chunk (a few 64 MB blocks in float32)."
-    c = chunk_size or max(16, 2 ** 24 // max(1, bh * (n_k + n_q)))
+    "Query-row ranges; automatic size: about 2**25 score elements per chunk (a few 128 MB blocks in float32)."
+    c = chunk_size or max(16, 2 ** 25 // max(1, bh * (n_k + n_q)))
     return [(i, min(n_q, i + c)) for i in range(0, n_q, c)]
 
-def _chunk_scores(qu, qp, k, R, S, mask, i0, i1):
+def _chunk_scores(qu, k, qpa, Ra, mask, i0, i1):
     "Scores of queries `i0:i1` against all keys, position term included and mask applied: `[b, h, c, n_k]`."
-    n_q, n_k, c = qu.shape[2], k.shape[2], i1 - i0
+    b, h, n_q, _ = qu.shape
+    n_k, c = k.shape[2], i1 - i0
     w0, L = n_q - i1 + 1, n_k + c - 1            # the window rows this chunk reads: w = j - i + n_q
-    s = torch.matmul(qu[:, :, i0:i1], k.transpose(-1, -2))                   # content: (Q_i + v) . K_j
-    bd = torch.matmul(qp[:, :, i0:i1], R[:, w0:w0 + L].transpose(-1, -2))    # Q_i . R_w  [b, h, c, L]
-    bd += S[:, None, w0:w0 + L]                                              # + S_w
+    # position term, heads as the batch of one bmm: [h, b*c, d+1] @ [h, d+1, L]; the last column of
+    # `qpa` is 1 and that of `Ra` is S, so this is Q_i . R_w + S_w in one product
+    qpc = qpa[:, :, i0:i1].reshape(h, b * c, -1)
+    bd = torch.bmm(qpc, Ra[:, w0:w0 + L].transpose(1, 2))
     # shift: s[ii, j] needs bd[ii, j + c - 1 - ii], i.e. a view with row stride L - 1 (no copy)
-    st = bd.stride()
-    shifted = bd.as_strided((bd.shape[0], bd.shape[1], c, n_k), (st[0], st[1], L - 1, 1), bd.storage_offset() + c - 1)
+    shifted = bd.as_strided((b, h, c, n_k), (c * L, b * c * L, L - 1, 1), bd.storage_offset() + c - 1)
+    s = torch.matmul(qu[:, :, i0:i1], k.transpose(-1, -2))                  # content: (Q_i + v) . K_j
     s += shifted
     if mask is not None:
         s.masked_fill_(~(mask if mask.shape[2] == 1 else mask[:, :, i0:i1]), float('-inf'))
-    return s, bd, shifted
+    return s, bd, shifted, qpc, (w0, L)
 
 def _keep_mask(seed, i0, shape, p, device):
     "Dropout keep-mask of the chunk starting at `i0`, reproducible from `seed` (so backward needs not store it)."
     g = torch.Generator(device=device); g.manual_seed(seed + i0)
     return torch.rand(shape, generator=g, device=device) >= p
 
-# %% ../nbs/02_relative_mha.ipynb #77af90a4
+# %% ../nbs/02_relative_mha.ipynb #66023af5
 class _RelativeAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qu, qp, k, v, R, S, mask, dropout_p, seed, chunk_size):
+    def forward(ctx, qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size):
         b, h, n_q, _ = qu.shape
         n_k = k.shape[2]
         out = qu.new_empty(b, h, n_q, v.shape[-1])
         lse = qu.new_empty(b, h, n_q)
         for i0, i1 in _chunks(n_q, n_k, b * h, chunk_size):
-            s, _, _ = _chunk_scores(qu, qp, k, R, S, mask, i0, i1)
-            l = torch.logsumexp(s, -1, keepdim=True)
-            l = l.masked_fill(l == float('-inf'), float('inf'))   # fully masked row: all weights exp(-inf) = 0
-            p = s.sub_(l).exp_()                                  # softmax, in place
+            s = _chunk_scores(qu, k, qpa, Ra, mask, i0, i1)[0]
+            # softmax in place, keeping log-sum-exp for the backward pass
+            mx = s.amax(-1, keepdim=True)
+            mx = mx.masked_fill(mx == float('-inf'), 0.)           # fully masked row: avoid -inf - -inf
+            p = s.sub_(mx).exp_()
+            l = p.sum(-1, keepdim=True)
+            p.mul_(torch.where(l > 0, l.reciprocal(), torch.zeros_like(l)))  # fully masked row: weights 0
             if dropout_p > 0: p = p * _keep_mask(seed, i0, p.shape, dropout_p, p.device) / (1 - dropout_p)
             out[:, :, i0:i1] = torch.matmul(p, v)
-            lse[:, :, i0:i1] = l[..., 0]
-        ctx.save_for_backward(qu, qp, k, v, R, S, mask, out, lse)
+            l = (mx + l.log())[..., 0]
+            lse[:, :, i0:i1] = l.masked_fill(l == float('-inf'), float('inf'))  # so that exp(s - lse) = 0
+        ctx.save_for_backward(qu, k, v, qpa, Ra, mask, out, lse)
         ctx.dropout_p, ctx.seed, ctx.chunk_size = dropout_p, seed, chunk_size
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qu, qp, k, v, R, S, mask, out, lse = ctx.saved_tensors
-        b, h, n_q, _ = qu.shape
-        n_k, dp_ = k.shape[2], ctx.dropout_p
+        qu, k, v, qpa, Ra, mask, out, lse = ctx.saved_tensors
+        b, h, n_q, d = qu.shape
+        n_k, dp_, bh = k.shape[2], ctx.dropout_p, b * h
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)          # Delta_i = dO_i . O_i = sum_j P_ij dP_ij
-        dqu, dqp = torch.empty_like(qu), torch.empty_like(qp)
-        dk, dv, dR, dS = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(R), torch.zeros_like(S)
-        for i0, i1 in _chunks(n_q, n_k, b * h, ctx.chunk_size):
+        dqu, dqpa = torch.empty_like(qu), torch.empty_like(qpa)
+        dk, dv, dRa = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(Ra)
+        dk3, dv3 = dk.view(bh, n_k, d), dv.view(bh, n_k, -1)
+        for i0, i1 in _chunks(n_q, n_k, bh, ctx.chunk_size):
             c = i1 - i0
-            w0, L = n_q - i1 + 1, n_k + c - 1
-            s, bd, shifted = _chunk_scores(qu, qp, k, R, S, mask, i0, i1)
-            p = s.sub_(lse[:, :, i0:i1, None]).exp_()      # recomputed softmax
+            s, bd, shifted, qpc, (w0, L) = _chunk_scores(qu, k, qpa, Ra, mask, i0, i1)
+            p = s.sub_(lse[:, :, i0:i1, None]).exp_()      # softmax recomputed from the saved log-sum-exp
             do = dout[:, :, i0:i1]
             dp = torch.matmul(do, v.transpose(-1, -2))
+            pd = p
             if dp_ > 0:
                 keep = _keep_mask(ctx.seed, i0, p.shape, dp_, p.device)
-                dv += torch.matmul((p * keep).transpose(-1, -2), do) / (1 - dp_)
+                pd = p * keep / (1 - dp_)
                 dp = dp * keep / (1 - dp_)
-            else:
-                dv += torch.matmul(p.transpose(-1, -2), do)
+            dv3.baddbmm_(pd.reshape(bh, c, n_k).transpose(1, 2), do.reshape(bh, c, -1))
             ds = dp.sub_(delta[:, :, i0:i1]).mul_(p)        # gradient of the scores
             dqu[:, :, i0:i1] = torch.matmul(ds, k)
-            dk += torch.matmul(ds.transpose(-1, -2), qu[:, :, i0:i1])
+            dk3.baddbmm_(ds.reshape(bh, c, n_k).transpose(1, 2), qu[:, :, i0:i1].reshape(bh, c, d))
             bd.zero_(); shifted.copy_(ds)                   # un-shift: gradient of Q R^T + S in window coordinates
-            dqp[:, :, i0:i1] = torch.matmul(bd, R[:, w0:w0 + L])
-            dR[:, w0:w0 + L] += torch.matmul(bd.transpose(-1, -2), qp[:, :, i0:i1]).sum(0)
-            dS[:, w0:w0 + L] += bd.sum((0, 2))
-        return dqu, dqp, dk, dv, dR, dS, None, None, None, None
+            dqpa[:, :, i0:i1] = torch.bmm(bd, Ra[:, w0:w0 + L]).view(h, b, c, -1)
+            dRa[:, w0:w0 + L] += torch.bmm(bd.transpose(1, 2), qpc)   # R and S (the column of ones) together
+        return dqu, dk, dv, dqpa, dRa, None, None, None, None
 
-# %% ../nbs/02_relative_mha.ipynb #f5771729
+# %% ../nbs/02_relative_mha.ipynb #3f21a615
 def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus content bias, already scaled
                        qp:torch.Tensor,   # `[b, h, n_q, d]` queries for the position term, already scaled
                        k:torch.Tensor,    # `[b, h, n_k, d]` keys
@@ -217,10 +222,17 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
                        chunk_size:Optional[int]=None,    # query rows per chunk (None: automatic)
                       ) -> torch.Tensor:  # `[b, h, n_q, d_v]`
     "Relative attention `softmax(qu k^T + shift(qp R^T + S)) v`, chunked over queries, with recomputation in backward."
+    n_q, n_k = qu.shape[2], k.shape[2]
+    if R.shape[-2] != n_k + n_q or S.shape[-1] != n_k + n_q:
+        raise ValueError(f"R and S must hold n_k + n_q = {n_k + n_q} window rows, got R {tuple(R.shape)} and S {tuple(S.shape)}")
+    # S rides along as an extra feature: [Q, 1] . [R, S] = Q . R + S (autograd splits the gradients back)
+    qpa = torch.cat([qp, qp.new_ones(*qp.shape[:-1], 1)], -1).transpose(0, 1).contiguous()  # [h, b, n_q, d + 1]
+    Ra = torch.cat([R, S[..., None]], -1).contiguous()                                        # [h, n_k + n_q, d + 1]
     seed = int(torch.randint(0, 2 ** 62, (1,))) if dropout_p > 0 else 0   # from the global RNG: torch.manual_seed reproduces it
-    return _RelativeAttentionFn.apply(qu, qp, k, v, R, S, mask, float(dropout_p), seed, chunk_size)
+    return _RelativeAttentionFn.apply(qu.contiguous(), k.contiguous(), v.contiguous(), qpa, Ra, mask,
+                                      float(dropout_p), seed, chunk_size)
 
-# %% ../nbs/02_relative_mha.ipynb #8934cfa9
+# %% ../nbs/02_relative_mha.ipynb #474bde4c
 class FeedForward(nn.Module):
     "Position-wise feed-forward block with labml_nn's parameter names (`layer1`, `layer2`)."
     def __init__(self, d_model:int, d_ff:int, dropout:float=0.1, activation:Optional[nn.Module]=None):
@@ -264,7 +276,7 @@ class TransformerXL(nn.Module):
             x = layer(x=x, mem=mem[i] if mem else None, mask=mask)
         return self.norm(x), new_mem
 
-# %% ../nbs/02_relative_mha.ipynb #cc92ccd0
+# %% ../nbs/02_relative_mha.ipynb #afd1c2b9
 def merge_memory(old_mem:Optional[List[torch.Tensor]], # previous memory, one `[m, batch, d_model]` per layer (or None/[])
                  new_mem:List[torch.Tensor],            # this segment's layer inputs
                  mem_len:int,                           # keep at most this many positions
