@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['check_sequence', 'PrepareForMultiHeadAttention', 'MultiHeadAttention']
 
-# %% ../nbs/01_mha.ipynb #5e303612
+# %% ../nbs/01_mha.ipynb #ed119fe5
 import math
 from typing import Optional, List, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-# %% ../nbs/01_mha.ipynb #e0ef975b
+# %% ../nbs/01_mha.ipynb #56d4dd49
 def check_sequence(x, name, d_model=None):
     "Check that `x` is a `[seq_len, batch, d_model]` float tensor; raise an error naming `name` otherwise."
     if not isinstance(x, torch.Tensor):
@@ -24,7 +24,7 @@ def check_sequence(x, name, d_model=None):
     if d_model is not None and x.shape[-1] != d_model:
         raise ValueError(f"{name} must have d_model={d_model} features in its last dim, got shape {tuple(x.shape)}")
 
-# %% ../nbs/01_mha.ipynb #a92e7874
+# %% ../nbs/01_mha.ipynb #46fba080
 class PrepareForMultiHeadAttention(nn.Module):
     "Linear projection of `[..., d_model]` followed by a split into `heads` vectors of `d_k`: `[..., heads, d_k]`."
     def __init__(self,
@@ -42,7 +42,7 @@ class PrepareForMultiHeadAttention(nn.Module):
         # Project, then split the last dimension into heads: `[..., heads, d_k]`
         return self.linear(x).unflatten(-1, (self.heads, self.d_k))
 
-# %% ../nbs/01_mha.ipynb #37f8cf44
+# %% ../nbs/01_mha.ipynb #8401ec3b
 class MultiHeadAttention(nn.Module):
     "Multi-head attention with labml_nn's interface, state_dict and numbers; sequence first."
     def __init__(self,
