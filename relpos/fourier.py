@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['position_encoding', 'RelativeFourierPositions', 'sdpa_bias', 'FourierMultiHeadAttention']
 
-# %% ../nbs/04_fourier.ipynb #ac3a6fad
-import math, operator
+# %% ../nbs/04_fourier.ipynb #c13d1b05
+import math
 from typing import Optional
 import numpy as np
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 import torch.nn.functional as F
 from .mha import MultiHeadAttention
 
-# %% ../nbs/04_fourier.ipynb #36811b41
+# %% ../nbs/04_fourier.ipynb #129b45ea
 def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
     "`x` as a Python int (bools refused), at least `minimum`; errors name the argument."
     if isinstance(x, bool) or not isinstance(x, (int, np.integer, torch.SymInt)):
@@ -24,7 +24,7 @@ def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
     return x
 
-# %% ../nbs/04_fourier.ipynb #24526bf3
+# %% ../nbs/04_fourier.ipynb #a5e8bec1
 def _position_encoding_np(num_positions:int, input_dim:int, offset:int, max_wavelength:float) -> np.ndarray:
     "meliad's `position.position_encoding`, line for line: float32 numpy arithmetic throughout."
     idim2 = input_dim // 2
@@ -57,14 +57,14 @@ def position_encoding(num_positions:int,       # number of positions (rows)
     pe = _position_encoding_np(num_positions, input_dim, offset, max_wavelength)
     return torch.from_numpy(pe).to(device)
 
-# %% ../nbs/04_fourier.ipynb #441abb15
+# %% ../nbs/04_fourier.ipynb #02c9c38e
 def _init_rotation_matrix(num_heads:int, vec_size:int) -> torch.Tensor:
     "meliad's init: every 2x2 block is `(2/vec_size) * identity` -- a = 2/vec_size, b = 0."
     scale = float(2.0 / vec_size)
     return torch.cat([torch.full((num_heads, vec_size // 2), scale, dtype=torch.float32),
                       torch.zeros(num_heads, vec_size // 2, dtype=torch.float32)], dim=1)
 
-# %% ../nbs/04_fourier.ipynb #df3f2ce1
+# %% ../nbs/04_fourier.ipynb #c8de4c28
 class RelativeFourierPositions(nn.Module):
     "meliad's Fourier relative position bias: `forward(num_queries, num_keys)` -> `[1, num_heads, num_queries, num_keys]`."
     def __init__(self,
@@ -162,7 +162,7 @@ class RelativeFourierPositions(nn.Module):
         fast = self.fast if fast is None else fast
         return (self.bias_fast if fast else self.bias_einsum)(num_queries, num_keys, offset)
 
-# %% ../nbs/04_fourier.ipynb #7d907e50
+# %% ../nbs/04_fourier.ipynb #d43e1b52
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 
 class _SDPAWithBiasGrad(torch.autograd.Function):
@@ -176,25 +176,34 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=ctx.scale)
-        if not ctx.needs_input_grad[3]: return dq, dk, dv, None, None
-        # d bias = dS = P * (dP - D), P = exp(S - lse), dP = dO v^T, D = rowsum(dO * O): recomputed in query
-        # chunks of ~2**24 scores so the [batch, heads, q, k] matrices never exist whole; summed over the batch
-        # dims the bias broadcasts over.
+        q, k, v, bias, out, lse = (t.contiguous() for t in ctx.saved_tensors)  # the blocks below want dense rows
+        scale, grad_out = ctx.scale, grad_out.contiguous()
+        batch, heads, nq, _ = q.shape
+        nk = k.shape[-2]
+        # Flash attention's backward, written out block by block so that dS, the gradient of the scores, is
+        # kept: dS is exactly the gradient of the bias. Blocks of (one batch, one head, c queries) x all keys,
+        # ~2**18 scores (1 MB), stay in cache. lse and D = rowsum(dO * O) ride along as one extra column of the
+        # two score-sized matrix products, so P = exp(q k^T * scale + bias - lse) and dP - D need no extra pass.
         D = (grad_out * out).sum(-1, keepdim=True)
-        qs, kT, vT = q * ctx.scale, k.transpose(-1, -2), v.transpose(-1, -2)
-        sum_batch = bias.shape[0] == 1 and q.shape[0] > 1
-        dbias = torch.empty(bias.shape, dtype=q.dtype, device=q.device)
-        nq, c = q.shape[-2], max(1, 2**24 // max(1, q.shape[0] * q.shape[1] * k.shape[-2]))
-        for i in range(0, nq, c):
-            s = slice(i, i + c)
-            p = torch.matmul(qs[..., s, :], kT).add_(bias[..., s, :]).sub_(lse[..., s, None]).exp_()
-            ds = p.mul_(torch.matmul(grad_out[..., s, :], vT).sub_(D[..., s, :]))
-            dbias[..., s, :] = ds.sum(0, keepdim=True) if sum_batch else ds
-        return dq, dk, dv, dbias, None
+        ones = k.new_ones(*k.shape[:-1], 1)
+        qa, ka = torch.cat([q * scale, -lse.unsqueeze(-1).to(q.dtype)], -1), torch.cat([k, ones], -1)
+        ga, va = torch.cat([grad_out, -D], -1), torch.cat([v, ones], -1)
+        dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        dbias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
+        c = max(16, 2**18 // max(1, nk))
+        for b in range(batch):
+            bb = b if bias.shape[0] > 1 else 0
+            for h in range(heads):
+                hb = h if bias.shape[1] > 1 else 0
+                for i in range(0, nq, c):
+                    s = slice(i, i + c)
+                    p = torch.mm(qa[b, h, s], ka[b, h].T).add_(bias[bb, hb, s]).exp_()   # probabilities
+                    dv[b, h].addmm_(p.T, grad_out[b, h, s])
+                    ds = p.mul_(torch.mm(ga[b, h, s], va[b, h].T))                      # P * (dP - D)
+                    dbias[bb, hb, s] += ds
+                    torch.mm(ds, k[b, h], out=dq[b, h, s])
+                    dk[b, h].addmm_(ds.T, q[b, h, s])
+        return dq.mul_(scale), dk.mul_(scale), dv, dbias, None
 
 def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
               k:torch.Tensor,    # `[batch, heads, seq_k, d_k]`
@@ -205,13 +214,15 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
     "`F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)` that stays on the fused CPU kernel when `bias` requires grad."
     use_flash = (_flash_cpu is not None and q.device.type == 'cpu' and bias.requires_grad and dropout_p == 0.0
                  and torch.is_grad_enabled() and q.dtype == k.dtype == v.dtype == bias.dtype
-                 and q.dtype in (torch.float32, torch.float64) and bias.dim() == 4 and bias.shape[1] == q.shape[1]
+                 and q.dtype in (torch.float32, torch.float64) and bias.dim() == 4
+                 and bias.shape[0] in (1, q.shape[0]) and bias.shape[1] in (1, q.shape[1])
+                 and bias.shape[2:] == (q.shape[2], k.shape[2])
                  and not torch.compiler.is_compiling())
     if not use_flash:  # CUDA's fused kernels differentiate the bias themselves; elsewhere SDPA picks its math path
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout_p)
     return _SDPAWithBiasGrad.apply(q, k, v, bias, scale)
 
-# %% ../nbs/04_fourier.ipynb #bf7229c9
+# %% ../nbs/04_fourier.ipynb #d3e96ba6
 class FourierMultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) whose scores get meliad's learned Fourier relative bias."
     def __init__(self,
