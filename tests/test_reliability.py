@@ -658,6 +658,10 @@ _TXL_BUGS = {
     "mem: wrong batch": "RuntimeError from torch.cat ('Sizes of tensors must match ...')",
 }
 XFAIL.update({("relative_mha", "TransformerXLModel", k): v for k, v in _TXL_BUGS.items()})
+_BATCH0 = ("batch 0: RuntimeError 'cannot reshape tensor of 0 elements into shape [2, 0, -1]' in "
+           "relative_mha._chunk_scores (reshape(h, b * c, -1)), since b1a8e52")
+XFAIL.update({("relative_mha", t, "batch 0"): _BATCH0
+              for t in ("RelativeMultiHeadAttention", "XLRelativeMultiHeadAttention", "TransformerXLModel")})
 XFAIL.update({
     # (none open in context_choice: the empty-logits NaN and the list AttributeError found here were fixed in 18f5083)
 })
@@ -713,7 +717,12 @@ def test_bad_input(module, target, name, fn, record_property):
         if e.name in (f"relpos.{module}", "relpos"): pytest.skip(f"relpos.{module} does not exist yet")
         raise
     if not hasattr(mod, target): pytest.skip(f"relpos.{module}.{target} does not exist yet")
-    outcome = _run_isolated(module, target, name) if (module, target, name) in CRASHES else fn(mod)
+    try:
+        outcome = _run_isolated(module, target, name) if (module, target, name) in CRASHES else fn(mod)
+    except (Fail, pytest.skip.Exception):
+        raise
+    except Exception as e:   # a case that should work raised from deep inside
+        raise Fail(f"internal error: {type(e).__name__}: {e}") from e
     record_property("reliability_outcome", outcome)
 
 
