@@ -50,7 +50,7 @@ def make_labml(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
 CASES = {name: f'bench.relative_mha:make_{name}' for name in ['sdpa', 'fast', 'xl_fast', 'readable', 'labml']}
 
 
-def main(ns=(128, 512, 1024, 2048), reps=3, cases=None):
+def main(ns=(128, 512, 1024, 2048), reps=2, cases=None):
     cases = {k: CASES[k] for k in (cases or CASES)}
     configs = [dict(n=n, mem=m) for n in ns for m in (0, n)]
     return bench_table(cases, configs, baseline='sdpa', reps=reps,

@@ -6,7 +6,7 @@
 __all__ = ['RelativeMultiHeadAttention', 'sinusoid_positions', 'XLRelativeMultiHeadAttention', 'relative_attention',
            'FeedForward', 'TransformerXLLayer', 'TransformerXL', 'merge_memory', 'TransformerXLModel']
 
-# %% ../nbs/02_relative_mha.ipynb #786c00cd
+# %% ../nbs/02_relative_mha.ipynb #2337bae2
 import copy, math
 from typing import List, Optional, Tuple
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 from .mha import MultiHeadAttention
 from .shift import shift_right
 
-# %% ../nbs/02_relative_mha.ipynb #179dab6e
+# %% ../nbs/02_relative_mha.ipynb #c5f9c2e7
 class _RelativeAttention(MultiHeadAttention):
     "Shared code of the relative modules: length checks, labml's `get_scores`, and the chunked fast path."
     max_len: Optional[int] = None   # longest key (and query) the position tables cover; None: no limit
@@ -69,7 +69,7 @@ class _RelativeAttention(MultiHeadAttention):
                                dropout_p=self.dropout.p if self.training else 0.0, chunk_size=self.chunk_size)
         return x.permute(2, 0, 1, 3)  # [n_q, batch, heads, d_k]
 
-# %% ../nbs/02_relative_mha.ipynb #cf2271c3
+# %% ../nbs/02_relative_mha.ipynb #a645336b
 class RelativeMultiHeadAttention(_RelativeAttention):
     "Transformer-XL relative multi-head attention with learned tables `R`, `S` (labml_nn's parameters and numbers)."
     def __init__(self, heads:int,                # number of heads
@@ -97,7 +97,7 @@ class RelativeMultiHeadAttention(_RelativeAttention):
 
     def content_bias(self): return self.query_pos_bias
 
-# %% ../nbs/02_relative_mha.ipynb #44534653
+# %% ../nbs/02_relative_mha.ipynb #f6044ac8
 def sinusoid_positions(distance:torch.Tensor, # `[n]` relative distances $i - j$ (any real values)
                        d_model:int,            # even number of features
                       ) -> torch.Tensor:       # `[n, d_model]`: `[sin(d w_k), cos(d w_k)]`, w_k = 10000^(-2k/d_model)
@@ -106,7 +106,7 @@ def sinusoid_positions(distance:torch.Tensor, # `[n]` relative distances $i - j$
     angles = distance.float()[:, None] * inv_freq[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
-# %% ../nbs/02_relative_mha.ipynb #5601cf9d
+# %% ../nbs/02_relative_mha.ipynb #601e794a
 class XLRelativeMultiHeadAttention(_RelativeAttention):
     "Transformer-XL's relative attention as in the paper: sinusoid `R`, learned projection `W_{k,R}` and biases `u`, `v`."
     def __init__(self, heads:int, d_model:int, dropout_prob:float=0.1, *,
@@ -128,7 +128,7 @@ class XLRelativeMultiHeadAttention(_RelativeAttention):
 
     def content_bias(self): return self.u
 
-# %% ../nbs/02_relative_mha.ipynb #dda3ac16
+# %% ../nbs/02_relative_mha.ipynb #2b82e506
 def _chunks(n_q:int, n_k:int, bh:int, chunk_size:Optional[int]):
     "Query-row ranges; automatic size: about 2**25 score elements per chunk (a few 128 MB blocks in float32)."
     c = chunk_size or max(16, 2 ** 25 // max(1, bh * (n_k + n_q)))
@@ -141,7 +141,7 @@ def _chunk_scores(qu, k, qpa, Ra, mask, i0, i1):
     w0, L = n_q - i1 + 1, n_k + c - 1            # the window rows this chunk reads: w = j - i + n_q
     # position term, heads as the batch of one bmm: [h, b*c, d+1] @ [h, d+1, L]; the last column of
     # `qpa` is 1 and that of `Ra` is S, so this is Q_i . R_w + S_w in one product
-    qpc = qpa[:, :, i0:i1].reshape(h, b * c, -1)
+    qpc = qpa[:, :, i0:i1].reshape(h, b * c, qpa.shape[-1])
     bd = torch.bmm(qpc, Ra[:, w0:w0 + L].transpose(1, 2))
     # shift: s[ii, j] needs bd[ii, j + c - 1 - ii], i.e. a view with row stride L - 1 (no copy)
     shifted = bd.as_strided((b, h, c, n_k), (c * L, b * c * L, L - 1, 1), bd.storage_offset() + c - 1)
@@ -156,7 +156,7 @@ def _keep_mask(seed, i0, shape, p, device):
     g = torch.Generator(device=device); g.manual_seed(seed + i0)
     return torch.rand(shape, generator=g, device=device) >= p
 
-# %% ../nbs/02_relative_mha.ipynb #66023af5
+# %% ../nbs/02_relative_mha.ipynb #905fbcb4
 class _RelativeAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size):
@@ -189,7 +189,7 @@ class _RelativeAttentionFn(torch.autograd.Function):
         delta = (dout * out).sum(-1, keepdim=True)          # Delta_i = dO_i . O_i = sum_j P_ij dP_ij
         dqu, dqpa = torch.empty_like(qu), torch.empty_like(qpa)
         dk, dv, dRa = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(Ra)
-        dk3, dv3 = dk.view(bh, n_k, d), dv.view(bh, n_k, -1)
+        dk3, dv3 = dk.view(bh, n_k, d), dv.view(bh, n_k, v.shape[-1])
         for i0, i1 in _chunks(n_q, n_k, bh, ctx.chunk_size):
             c = i1 - i0
             s, bd, shifted, qpc, (w0, L) = _chunk_scores(qu, k, qpa, Ra, mask, i0, i1)
@@ -201,16 +201,16 @@ class _RelativeAttentionFn(torch.autograd.Function):
                 keep = _keep_mask(ctx.seed, i0, p.shape, dp_, p.device)
                 pd = p * keep / (1 - dp_)
                 dp = dp * keep / (1 - dp_)
-            dv3.baddbmm_(pd.reshape(bh, c, n_k).transpose(1, 2), do.reshape(bh, c, -1))
+            dv3.baddbmm_(pd.reshape(bh, c, n_k).transpose(1, 2), do.reshape(bh, c, v.shape[-1]))
             ds = dp.sub_(delta[:, :, i0:i1]).mul_(p)        # gradient of the scores
             dqu[:, :, i0:i1] = torch.matmul(ds, k)
             dk3.baddbmm_(ds.reshape(bh, c, n_k).transpose(1, 2), qu[:, :, i0:i1].reshape(bh, c, d))
             bd.zero_(); shifted.copy_(ds)                   # un-shift: gradient of Q R^T + S in window coordinates
-            dqpa[:, :, i0:i1] = torch.bmm(bd, Ra[:, w0:w0 + L]).view(h, b, c, -1)
+            dqpa[:, :, i0:i1] = torch.bmm(bd, Ra[:, w0:w0 + L]).view(h, b, c, Ra.shape[-1])
             dRa[:, w0:w0 + L] += torch.bmm(bd.transpose(1, 2), qpc)   # R and S (the column of ones) together
         return dqu, dk, dv, dqpa, dRa, None, None, None, None
 
-# %% ../nbs/02_relative_mha.ipynb #3f21a615
+# %% ../nbs/02_relative_mha.ipynb #7e1ee9d8
 def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus content bias, already scaled
                        qp:torch.Tensor,   # `[b, h, n_q, d]` queries for the position term, already scaled
                        k:torch.Tensor,    # `[b, h, n_k, d]` keys
@@ -232,7 +232,7 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
     return _RelativeAttentionFn.apply(qu.contiguous(), k.contiguous(), v.contiguous(), qpa, Ra, mask,
                                       float(dropout_p), seed, chunk_size)
 
-# %% ../nbs/02_relative_mha.ipynb #474bde4c
+# %% ../nbs/02_relative_mha.ipynb #e12a3b31
 class FeedForward(nn.Module):
     "Position-wise feed-forward block with labml_nn's parameter names (`layer1`, `layer2`)."
     def __init__(self, d_model:int, d_ff:int, dropout:float=0.1, activation:Optional[nn.Module]=None):
@@ -276,7 +276,7 @@ class TransformerXL(nn.Module):
             x = layer(x=x, mem=mem[i] if mem else None, mask=mask)
         return self.norm(x), new_mem
 
-# %% ../nbs/02_relative_mha.ipynb #afd1c2b9
+# %% ../nbs/02_relative_mha.ipynb #07e97527
 def merge_memory(old_mem:Optional[List[torch.Tensor]], # previous memory, one `[m, batch, d_model]` per layer (or None/[])
                  new_mem:List[torch.Tensor],            # this segment's layer inputs
                  mem_len:int,                           # keep at most this many positions
@@ -305,9 +305,30 @@ class TransformerXLModel(nn.Module):
         self.generator = nn.Linear(d_model, n_vocab)
         self.mem_len = mem_len
 
+    def check_tokens(self, x, mem):
+        "Refuse bad tokens or memory with an error naming them (instead of an IndexError deep in `nn.Embedding`)."
+        n_vocab, d_model = self.src_embed.num_embeddings, self.src_embed.embedding_dim
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x (tokens) must be an integer torch.Tensor [seq_len, batch], got {type(x).__name__}")
+        if x.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"x (tokens) must hold integer token ids, got dtype {x.dtype}")
+        if x.dim() != 2:
+            raise ValueError(f"x (tokens) must have shape [seq_len, batch], got {tuple(x.shape)}")
+        if x.numel() and (int(x.min()) < 0 or int(x.max()) >= n_vocab):
+            raise ValueError(f"x (tokens) must be ids in [0, n_vocab={n_vocab}), got values in [{int(x.min())}, {int(x.max())}]")
+        if mem:
+            n_layers = len(self.transformer.layers)
+            if not isinstance(mem, (list, tuple)) or len(mem) != n_layers:
+                raise ValueError(f"mem must be a list of {n_layers} tensors (one per layer), got {type(mem).__name__} of {len(mem)}")
+            for i, m in enumerate(mem):
+                if not isinstance(m, torch.Tensor) or m.dim() != 3 or m.shape[1:] != (x.shape[1], d_model):
+                    raise ValueError(f"mem[{i}] must have shape [mem_len, batch={x.shape[1]}, d_model={d_model}], "
+                                     f"got {tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
+
     def forward(self, x:torch.Tensor,                      # tokens `[seq_len, batch]`
                 mem:Optional[List[torch.Tensor]]=None,      # memory returned by the previous call
                ) -> Tuple[torch.Tensor, List[torch.Tensor]]: # logits `[seq_len, batch, n_vocab]`, next memory
+        self.check_tokens(x, mem)
         n, m_len = x.shape[0], (len(mem[0]) if mem else 0)
         # causal over [memory, segment]: query i (position m_len + i) sees keys 0 .. m_len + i
         mask = (torch.arange(m_len + n, device=x.device)[None, :] <= torch.arange(n, device=x.device)[:, None] + m_len)[..., None]

@@ -65,7 +65,8 @@ def test_gradcheck_float64(cls, chunk_size):
     for need_weights in (False, True):
         f = lambda x: m(query=x[-5:], key=x, value=x, mask=mask, need_weights=need_weights)
         assert torch.autograd.gradcheck(f, (x,))
-    # gradients of the parameters as well (tables, biases, projections)
+    if chunk_size is None: return
+    # gradients of the parameters as well (tables, biases, projections), with several chunks
     params = [p for p in m.parameters()]
     def g(*ps):
         with torch.nn.utils.stateless._reparametrize_module(m, dict(zip([n for n, _ in m.named_parameters()], ps))):
@@ -228,3 +229,18 @@ def test_model_memory_detached_and_truncated():
     # memory changes the output: the same segment with and without memory
     x = torch.randint(10, (4, 3))
     assert not torch.allclose(model.eval()(x, mem)[0], model(x, None)[0])
+
+
+def test_model_input_errors_and_empty_inputs():
+    torch.manual_seed(0)
+    m = TransformerXLModel(11, d_model=8, heads=2, d_ff=16, n_layers=2, mem_len=4, max_seq_len=6).eval()
+    tok = torch.randint(0, 11, (5, 2))
+    _, mem = m(tok)
+    for fn, match in [(lambda: m(tok.float()), 'x'), (lambda: m(tok[..., None]), 'x'), (lambda: m(tok.tolist()), 'x'),
+                      (lambda: m(tok + 11), 'n_vocab=11'), (lambda: m(tok - 11), 'n_vocab=11'),
+                      (lambda: m(tok, mem[:1]), 'mem'), (lambda: m(tok, [t[..., :4] for t in mem]), 'mem'),
+                      (lambda: m(tok, [t[:, :1] for t in mem]), 'mem'), (lambda: m(torch.randint(0, 11, (40, 2))), 'P=16')]:
+        with pytest.raises((ValueError, TypeError), match=match): fn()
+    out, new_mem = m(tok[:0], mem)
+    assert out.shape == (0, 2, 11) and all(torch.equal(a, b) for a, b in zip(new_mem, mem))
+    assert m(tok[:, :0])[0].shape == (5, 0, 11)
