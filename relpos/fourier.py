@@ -5,8 +5,9 @@
 # %% auto #0
 __all__ = ['position_encoding', 'RelativeFourierPositions', 'sdpa_bias', 'FourierMultiHeadAttention']
 
-# %% ../nbs/04_fourier.ipynb #c13d1b05
+# %% ../nbs/04_fourier.ipynb #34f86b79
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 import numpy as np
 import torch
@@ -14,7 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 from .mha import MultiHeadAttention
 
-# %% ../nbs/04_fourier.ipynb #129b45ea
+# %% ../nbs/04_fourier.ipynb #6a62d621
 def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
     "`x` as a Python int (bools refused), at least `minimum`; errors name the argument."
     if isinstance(x, bool) or not isinstance(x, (int, np.integer, torch.SymInt)):
@@ -24,7 +25,7 @@ def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
     return x
 
-# %% ../nbs/04_fourier.ipynb #a5e8bec1
+# %% ../nbs/04_fourier.ipynb #3e4e9ca0
 def _position_encoding_np(num_positions:int, input_dim:int, offset:int, max_wavelength:float) -> np.ndarray:
     "meliad's `position.position_encoding`, line for line: float32 numpy arithmetic throughout."
     idim2 = input_dim // 2
@@ -57,14 +58,14 @@ def position_encoding(num_positions:int,       # number of positions (rows)
     pe = _position_encoding_np(num_positions, input_dim, offset, max_wavelength)
     return torch.from_numpy(pe).to(device)
 
-# %% ../nbs/04_fourier.ipynb #02c9c38e
+# %% ../nbs/04_fourier.ipynb #370c8b0a
 def _init_rotation_matrix(num_heads:int, vec_size:int) -> torch.Tensor:
     "meliad's init: every 2x2 block is `(2/vec_size) * identity` -- a = 2/vec_size, b = 0."
     scale = float(2.0 / vec_size)
     return torch.cat([torch.full((num_heads, vec_size // 2), scale, dtype=torch.float32),
                       torch.zeros(num_heads, vec_size // 2, dtype=torch.float32)], dim=1)
 
-# %% ../nbs/04_fourier.ipynb #c8de4c28
+# %% ../nbs/04_fourier.ipynb #1b933cb3
 class RelativeFourierPositions(nn.Module):
     "meliad's Fourier relative position bias: `forward(num_queries, num_keys)` -> `[1, num_heads, num_queries, num_keys]`."
     def __init__(self,
@@ -162,7 +163,7 @@ class RelativeFourierPositions(nn.Module):
         fast = self.fast if fast is None else fast
         return (self.bias_fast if fast else self.bias_einsum)(num_queries, num_keys, offset)
 
-# %% ../nbs/04_fourier.ipynb #d43e1b52
+# %% ../nbs/04_fourier.ipynb #b741b643
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 
 class _SDPAWithBiasGrad(torch.autograd.Function):
@@ -189,20 +190,45 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
         qa, ka = torch.cat([q * scale, -lse.unsqueeze(-1).to(q.dtype)], -1), torch.cat([k, ones], -1)
         ga, va = torch.cat([grad_out, -D], -1), torch.cat([v, ones], -1)
         dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-        dbias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
         c = max(16, 2**18 // max(1, nk))
-        for b in range(batch):
-            bb = b if bias.shape[0] > 1 else 0
-            for h in range(heads):
+
+        def run(head_group, dbias):  # one worker: its heads, every batch element and query block
+            torch.set_num_threads(1)  # this thread's ops run inline (OpenMP's thread count is per thread)
+            with torch.no_grad():     # grad mode is per thread: a fresh worker has it on
+                _blocks(head_group, dbias)
+            return dbias
+
+        def _blocks(head_group, dbias):
+            for h in head_group:
                 hb = h if bias.shape[1] > 1 else 0
-                for i in range(0, nq, c):
-                    s = slice(i, i + c)
-                    p = torch.mm(qa[b, h, s], ka[b, h].T).add_(bias[bb, hb, s]).exp_()   # probabilities
-                    dv[b, h].addmm_(p.T, grad_out[b, h, s])
-                    ds = p.mul_(torch.mm(ga[b, h, s], va[b, h].T))                      # P * (dP - D)
-                    dbias[bb, hb, s] += ds
-                    torch.mm(ds, k[b, h], out=dq[b, h, s])
-                    dk[b, h].addmm_(ds.T, q[b, h, s])
+                for b in range(batch):
+                    bb = b if bias.shape[0] > 1 else 0
+                    for i in range(0, nq, c):
+                        s = slice(i, i + c)
+                        p = torch.mm(qa[b, h, s], ka[b, h].T).add_(bias[bb, hb, s]).exp_()  # probabilities
+                        dv[b, h].addmm_(p.T, grad_out[b, h, s])
+                        ds = p.mul_(torch.mm(ga[b, h, s], va[b, h].T))                     # P * (dP - D)
+                        dbias[bb, hb, s] += ds
+                        torch.mm(ds, k[b, h], out=dq[b, h, s])
+                        dk[b, h].addmm_(ds.T, q[b, h, s])
+
+        # The blocks are small: run them one thread per worker, workers over disjoint heads (no write races),
+        # instead of letting every small op open an intra-op parallel region (each one a thread wake-up that
+        # costs milliseconds on a busy machine).
+        workers = max(1, min(torch.get_num_threads(), heads))
+        groups = [range(w, heads, workers) for w in range(workers)]
+        shared_heads = bias.shape[1] == 1 and workers > 1   # then every worker needs its own accumulator
+        buffers = [torch.zeros(bias.shape, dtype=q.dtype, device=q.device) for _ in (groups if shared_heads else [0])]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            if workers == 1: run(groups[0], buffers[0])
+            else:
+                with ThreadPoolExecutor(workers) as pool:
+                    list(pool.map(run, groups, buffers if shared_heads else buffers * workers))
+        finally:
+            torch.set_num_threads(threads)
+        dbias = buffers[0] if len(buffers) == 1 else torch.stack(buffers).sum(0)
         return dq.mul_(scale), dk.mul_(scale), dv, dbias, None
 
 def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
@@ -222,7 +248,7 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout_p)
     return _SDPAWithBiasGrad.apply(q, k, v, bias, scale)
 
-# %% ../nbs/04_fourier.ipynb #d3e96ba6
+# %% ../nbs/04_fourier.ipynb #ed883c63
 class FourierMultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) whose scores get meliad's learned Fourier relative bias."
     def __init__(self,

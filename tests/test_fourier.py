@@ -248,3 +248,26 @@ def test_layer_trains_on_copy_back_task():
     torch.manual_seed(0)
     plain = train(MultiHeadAttention(2, 16, dropout_prob=0.0))
     assert fourier < 0.6 * plain, (fourier, plain)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias_shape", [(1, 3, 6, 9), (2, 3, 6, 9), (1, 1, 6, 9), (2, 1, 6, 9)])
+def test_sdpa_bias_matches_math_path(bias_shape, threads):
+    "The blockwise backward (thread pool over heads) against SDPA's math path, every bias broadcast; threads restored."
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 3, n, 8, generator=g, requires_grad=True) for n in (6, 9, 9))
+        bias = torch.randn(*bias_shape, generator=g)
+        bias[..., 1, 3] = float('-inf')
+        bias.requires_grad_()
+        go = torch.randn(2, 3, 6, 8, generator=g)
+        res = []
+        for f in (sdpa_bias, lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3], scale=a[4])):
+            out = f(q, k, v, bias, 0.4)
+            res.append([out, *torch.autograd.grad((out * go).sum(), (q, k, v, bias))])
+        for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
