@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['position_encoding', 'RelativeFourierPositions', 'sdpa_bias', 'FourierMultiHeadAttention']
 
-# %% ../nbs/04_fourier.ipynb #34f86b79
+# %% ../nbs/04_fourier.ipynb #e690aec3
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -15,7 +15,7 @@ from torch import nn
 import torch.nn.functional as F
 from .mha import MultiHeadAttention
 
-# %% ../nbs/04_fourier.ipynb #6a62d621
+# %% ../nbs/04_fourier.ipynb #33934713
 def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
     "`x` as a Python int (bools refused), at least `minimum`; errors name the argument."
     if isinstance(x, bool) or not isinstance(x, (int, np.integer, torch.SymInt)):
@@ -25,7 +25,7 @@ def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
     return x
 
-# %% ../nbs/04_fourier.ipynb #3e4e9ca0
+# %% ../nbs/04_fourier.ipynb #4c07d63f
 def _position_encoding_np(num_positions:int, input_dim:int, offset:int, max_wavelength:float) -> np.ndarray:
     "meliad's `position.position_encoding`, line for line: float32 numpy arithmetic throughout."
     idim2 = input_dim // 2
@@ -58,14 +58,14 @@ def position_encoding(num_positions:int,       # number of positions (rows)
     pe = _position_encoding_np(num_positions, input_dim, offset, max_wavelength)
     return torch.from_numpy(pe).to(device)
 
-# %% ../nbs/04_fourier.ipynb #370c8b0a
+# %% ../nbs/04_fourier.ipynb #cfbe08fc
 def _init_rotation_matrix(num_heads:int, vec_size:int) -> torch.Tensor:
     "meliad's init: every 2x2 block is `(2/vec_size) * identity` -- a = 2/vec_size, b = 0."
     scale = float(2.0 / vec_size)
     return torch.cat([torch.full((num_heads, vec_size // 2), scale, dtype=torch.float32),
                       torch.zeros(num_heads, vec_size // 2, dtype=torch.float32)], dim=1)
 
-# %% ../nbs/04_fourier.ipynb #1b933cb3
+# %% ../nbs/04_fourier.ipynb #9461a582
 class RelativeFourierPositions(nn.Module):
     "meliad's Fourier relative position bias: `forward(num_queries, num_keys)` -> `[1, num_heads, num_queries, num_keys]`."
     def __init__(self,
@@ -163,7 +163,7 @@ class RelativeFourierPositions(nn.Module):
         fast = self.fast if fast is None else fast
         return (self.bias_fast if fast else self.bias_einsum)(num_queries, num_keys, offset)
 
-# %% ../nbs/04_fourier.ipynb #b741b643
+# %% ../nbs/04_fourier.ipynb #618dd769
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 
 class _SDPAWithBiasGrad(torch.autograd.Function):
@@ -215,7 +215,7 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
         # The blocks are small: run them one thread per worker, workers over disjoint heads (no write races),
         # instead of letting every small op open an intra-op parallel region (each one a thread wake-up that
         # costs milliseconds on a busy machine).
-        workers = max(1, min(torch.get_num_threads(), heads))
+        workers = max(1, min(torch.get_num_threads(), heads)) if batch * heads * nq * nk >= 2**22 else 1
         groups = [range(w, heads, workers) for w in range(workers)]
         shared_heads = bias.shape[1] == 1 and workers > 1   # then every worker needs its own accumulator
         buffers = [torch.zeros(bias.shape, dtype=q.dtype, device=q.device) for _ in (groups if shared_heads else [0])]
@@ -236,19 +236,22 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
               v:torch.Tensor,    # `[batch, heads, seq_k, d_v]`
               bias:torch.Tensor, # additive float bias `[batch or 1, heads, seq_q, seq_k]` (-inf = masked), may require grad
               scale:float,       # multiplies q k^T before the bias is added
-              dropout_p:float=0.0) -> torch.Tensor:
+              dropout_p:float=0.0,
+              blockwise:Optional[bool]=None, # None: the blockwise backward from 256x256 scores up; True/False: force
+             ) -> torch.Tensor:
     "`F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)` that stays on the fused CPU kernel when `bias` requires grad."
     use_flash = (_flash_cpu is not None and q.device.type == 'cpu' and bias.requires_grad and dropout_p == 0.0
                  and torch.is_grad_enabled() and q.dtype == k.dtype == v.dtype == bias.dtype
                  and q.dtype in (torch.float32, torch.float64) and bias.dim() == 4
                  and bias.shape[0] in (1, q.shape[0]) and bias.shape[1] in (1, q.shape[1])
                  and bias.shape[2:] == (q.shape[2], k.shape[2])
-                 and not torch.compiler.is_compiling())
+                 and not torch.compiler.is_compiling() and blockwise is not False
+                 and (blockwise or q.shape[-2] * k.shape[-2] >= 2**16))  # small: SDPA's math path is cheaper
     if not use_flash:  # CUDA's fused kernels differentiate the bias themselves; elsewhere SDPA picks its math path
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout_p)
     return _SDPAWithBiasGrad.apply(q, k, v, bias, scale)
 
-# %% ../nbs/04_fourier.ipynb #ed883c63
+# %% ../nbs/04_fourier.ipynb #d3b576df
 class FourierMultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) whose scores get meliad's learned Fourier relative bias."
     def __init__(self,

@@ -103,7 +103,7 @@ def test_gradcheck_sdpa_bias():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (3, 5, 5))
     bias = torch.randn(1, 2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *a: sdpa_bias(*a, 0.5), (q, k, v, bias))
+    assert torch.autograd.gradcheck(lambda *a: sdpa_bias(*a, 0.5, blockwise=True), (q, k, v, bias))
 
 
 def test_fast_and_einsum_gradients_agree():
@@ -264,10 +264,29 @@ def test_sdpa_bias_matches_math_path(bias_shape, threads):
         bias.requires_grad_()
         go = torch.randn(2, 3, 6, 8, generator=g)
         res = []
-        for f in (sdpa_bias, lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3], scale=a[4])):
+        for f in (lambda *a: sdpa_bias(*a, blockwise=True), lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3], scale=a[4])):
             out = f(q, k, v, bias, 0.4)
             res.append([out, *torch.autograd.grad((out * go).sum(), (q, k, v, bias))])
         for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("heads_bias", [4, 1])
+def test_sdpa_bias_thread_pool_path(heads_bias):
+    "Large enough (batch*heads*q*k >= 2**22) for the worker pool; per-head and head-shared bias."
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 4, 1024, 8, generator=g, requires_grad=True) for _ in range(3))
+        bias = torch.randn(1, heads_bias, 1024, 1024, generator=g, requires_grad=True)
+        res = []
+        for f in (lambda *a: sdpa_bias(*a), lambda *a: F.scaled_dot_product_attention(*a[:3], attn_mask=a[3], scale=a[4])):
+            out = f(q, k, v, bias, 0.3)
+            res.append([out, *torch.autograd.grad(out.square().sum(), (q, k, v, bias))])
+        for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
