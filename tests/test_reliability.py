@@ -657,11 +657,11 @@ _TXL_BUGS = {
     "mem: wrong d_model": "RuntimeError from LayerNorm ('Given normalized_shape=[8] ...')",
     "mem: wrong batch": "RuntimeError from torch.cat ('Sizes of tensors must match ...')",
 }
-XFAIL.update({("relative_mha", "TransformerXLModel", k): v for k, v in _TXL_BUGS.items()})
+# all fixed upstream after being found here; kept as a record
+_FIXED = dict(_TXL_BUGS)
 _BATCH0 = ("batch 0: RuntimeError 'cannot reshape tensor of 0 elements into shape [2, 0, -1]' in "
            "relative_mha._chunk_scores (reshape(h, b * c, -1)), since b1a8e52")
-XFAIL.update({("relative_mha", t, "batch 0"): _BATCH0
-              for t in ("RelativeMultiHeadAttention", "XLRelativeMultiHeadAttention", "TransformerXLModel")})
+
 XFAIL.update({
     # (none open in context_choice: the empty-logits NaN and the list AttributeError found here were fixed in 18f5083)
 })
@@ -673,8 +673,8 @@ CRASHES = {
     ("fourier", "FourierMultiHeadAttention", "zero-length queries"),
     ("fourier", "FourierMultiHeadAttention", "zero-length query and key"),
 }
-XFAIL.update({c: "SIGFPE: the fused CPU flash kernel (sdpa_bias with a trainable bias) divides by zero "
-                 "when seq_len_q = 0; the process dies" for c in CRASHES if c[0] == "fourier"})
+_FIXED_SIGFPE = ({c: "SIGFPE: the fused CPU flash kernel (sdpa_bias with a trainable bias) divides by zero "
+                 "when seq_len_q = 0; the process dies" for c in CRASHES if c[0] == "fourier"})  # fixed upstream
 
 _CHILD = """
 import importlib.util, sys
