@@ -1,0 +1,72 @@
+"Build the offline docs site once (tools/render_docs.py into a temp dir) and check what a reader needs."
+import json, re, subprocess, sys
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NBS = sorted(p for p in (ROOT/'nbs').glob('*.ipynb') if not p.name.startswith(('_', '.')))
+sys.path.insert(0, str(ROOT/'tools'))
+import render_docs
+
+
+@pytest.fixture(scope='session')
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp('docs')/'_docs'
+    r = subprocess.run([sys.executable, str(ROOT/'tools'/'render_docs.py'), '--out', str(out), '--timeout', '45', '-q'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert (out/'index.html').exists(), r.stderr[-3000:]
+    return out, r
+
+
+def _nb(p): return json.loads(p.read_text())
+def _has(p, pred): return any(pred(c, o) for c in _nb(p)['cells'] for o in c.get('outputs', []))
+
+
+def test_every_notebook_processed(site):
+    out, r = site
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize('nb', NBS, ids=lambda p: p.name)
+def test_page_exists_with_title(site, nb):
+    out, _ = site
+    page = out/(nb.stem + '.html')
+    assert page.exists()
+    text = page.read_text()
+    title = render_docs.split_frontmatter(_nb(nb))[0].get('title') or nb.stem
+    h1 = re.search(r'<h1 class="title">(.*?)</h1>', text, re.S).group(1)
+    assert re.sub(r'<[^>]+>|[`*_]', '', h1).strip() == re.sub(r'[`*_]', '', title).strip()
+
+
+@pytest.mark.parametrize('nb', NBS, ids=lambda p: p.name)
+def test_math_offline(site, nb):
+    out, _ = site
+    text = (out/(nb.stem + '.html')).read_text()
+    assert not re.search(r'(src|href)="(https?:)?//[^"]*(cdn|mathjax|unpkg|jsdelivr|googleapis)', text, re.I)
+    assert not re.search(r'https?://[^"\s]*(cdnjs|jsdelivr|unpkg|mathjax\.org)', text, re.I)
+    if any('$' in ''.join(c['source']) for c in _nb(nb)['cells'] if c['cell_type'] == 'markdown'):
+        m = re.search(r'<script[^>]*src="(mathjax/MathJax\.js)[^"]*"', text)
+        assert m and (out/m.group(1)).exists()
+        assert (out/'mathjax'/'config'/'TeX-AMS-MML_HTMLorMML-full.js').exists()
+
+
+@pytest.mark.parametrize('nb', NBS, ids=lambda p: p.name)
+def test_images_embedded(site, nb):
+    out, _ = site
+    if not _has(nb, lambda c, o: c['cell_type'] == 'code' and 'image/png' in o.get('data', {})): pytest.skip('no plots')
+    assert re.search(r'<img[^>]+src="data:image/png;base64,', (out/(nb.stem + '.html')).read_text())
+
+
+def test_index_links_every_chapter(site):
+    out, _ = site
+    text = (out/'index.html').read_text()
+    links = set(re.findall(r'href="([^"#:]+\.html)(?:#[^"]*)?"', text))
+    for nb in NBS: assert nb.stem + '.html' in links, nb.name
+    for l in links: assert (out/l).exists(), l
+    assert '.ipynb"' not in text
+
+
+def test_readme_deterministic():
+    if not (ROOT/'nbs'/'index.ipynb').exists(): pytest.skip('no index.ipynb')
+    a, b = render_docs.readme_text(), render_docs.readme_text()
+    assert a == b and a.startswith('# ') and '\n> ' in a and '---\n' not in a.split('\n\n')[0]
