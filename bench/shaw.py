@@ -1,0 +1,60 @@
+"""Benchmark of chapter 03 (Shaw et al. relation-aware attention): forward+backward of one attention call,
+batch 4, 8 heads, hidden 512, k=16, against plain `scaled_dot_product_attention` with the same projections."""
+import torch
+import torch.nn.functional as F
+from relpos.bench import bench_table
+from relpos.shaw import RelationAwareMultiHeadAttention
+
+
+class PlainSDPA(RelationAwareMultiHeadAttention):
+    "The same projections and output layer, no position term: one `F.scaled_dot_product_attention` call."
+    def attention_fast(self, q, k, v, keep): return F.scaled_dot_product_attention(q, k, v)
+
+
+def _case(module, n, batch, hidden, device, mem, **call):
+    module = module.to(device).train()
+    x = torch.randn(batch, mem + n, hidden, device=device, requires_grad=True)
+    def fn(x): return module(x[:, -n:], x, x, **call)
+    return fn, (x,)
+
+
+def make_sdpa(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
+    "PlainSDPA: the module's projections around `F.scaled_dot_product_attention`, no position term."
+    torch.manual_seed(0)
+    return _case(PlainSDPA(hidden, heads, k), n, batch, hidden, device, mem)
+
+
+def make_fast(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
+    "RelationAwareMultiHeadAttention, fast path (`relation_aware_attention`)."
+    torch.manual_seed(0)
+    return _case(RelationAwareMultiHeadAttention(hidden, heads, k), n, batch, hidden, device, mem)
+
+
+def make_readable(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
+    "RelationAwareMultiHeadAttention, readable path (`[n, n, head_dim]` tables, weights kept)."
+    torch.manual_seed(0)
+    return _case(RelationAwareMultiHeadAttention(hidden, heads, k), n, batch, hidden, device, mem, need_weights=True)
+
+
+def make_seed(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
+    "Seed 002's module, built for this length (its tables are rebuilt per step here, as training would need)."
+    from tests.seed_shaw import RelationAwareMultiHeadAttention as Seed, RelativePosition
+    if mem: raise ValueError("the seed's module supports only seq_len_q == seq_len_k")
+    torch.manual_seed(0)
+    module = Seed(hidden, heads, k, n).to(device).train()
+    def fn(x):  # fresh tables from the parameters each step (the seed's __init__ graph works once)
+        a_k, a_v = module.relative_position_k(n, n), module.relative_position_v(n, n)
+        for head in module.attention_heads: head.k_bias_matrix, head.v_bias_matrix = a_k, a_v
+        return module(x, x, x)
+    return fn, (torch.randn(batch, n, hidden, device=device, requires_grad=True),)
+
+
+CASES = {name: f'bench.shaw:make_{name}' for name in ['sdpa', 'fast', 'readable', 'seed']}
+
+
+def main(ns=(128, 512, 1024, 2048), reps=3, cases=None, mem=(0,)):
+    cases = {c: CASES[c] for c in (cases or CASES)}
+    configs = [dict(n=n, mem=m) for n in ns for m in mem]
+    return bench_table(cases, configs, baseline='sdpa', reps=reps,
+                       title='shaw: forward+backward, batch 4, 8 heads, hidden 512, k=16 (mem: extra keys before the queries)')
+

@@ -1,0 +1,41 @@
+#!/usr/bin/env python
+"""Execute notebooks in place so that the rendered docs show their outputs (plots, printed tensors, tables).
+
+    .venv/bin/python tools/execute_nb.py nbs/03_shaw.ipynb [...]
+
+Cells flagged `#| slow` (benchmarks) are not run: they keep the outputs stored in the notebook, which come from
+`make bench`. Everything else runs in order from `nbs/`, as `nbdev_test` runs it; the first error stops the
+notebook unwritten. Run `nbdev_clean` afterwards.
+"""
+import sys, time
+from pathlib import Path
+import nbformat
+from nbclient import NotebookClient
+
+
+class SkipSlow(NotebookClient):
+    report_after = 2.0   # print the cells that take longer (seconds)
+
+    async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
+        if cell.cell_type == 'code' and cell.source.lstrip().startswith('#| slow'): return cell
+        t0 = time.perf_counter()
+        cell = await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        if (t := time.perf_counter() - t0) > self.report_after:
+            print(f"  cell {cell_index} ({cell.get('id')}): {t:.1f} s  {cell.source.splitlines()[0][:60]!r}")
+        return cell
+
+
+def execute(path: Path, timeout: int = 600):
+    nb = nbformat.read(path, as_version=4)
+    SkipSlow(nb, timeout=timeout, kernel_name='python3', resources={'metadata': {'path': str(path.parent)}}).execute()
+    nbformat.write(nb, path)
+
+
+if __name__ == '__main__':
+    from nbclient.exceptions import CellExecutionError
+    for p in sys.argv[1:]:
+        try: execute(Path(p))
+        except CellExecutionError as e:
+            import re
+            sys.exit(f"{p}: " + re.sub(r'\x1b\[[0-9;]*m', '', str(e))[-3000:])
+        print(f"executed {p}")
