@@ -1,6 +1,7 @@
 "Build the offline docs site once (tools/render_docs.py into a temp dir) and check what a reader needs."
-import json, re, subprocess, sys
+import fcntl, html, json, re, subprocess, sys
 from pathlib import Path
+from types import SimpleNamespace
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -9,11 +10,26 @@ sys.path.insert(0, str(ROOT/'tools'))
 import render_docs
 
 
-@pytest.fixture(scope='session')
-def site(tmp_path_factory):
-    out = tmp_path_factory.mktemp('docs')/'_docs'
+def _build(out):
     r = subprocess.run([sys.executable, str(ROOT/'tools'/'render_docs.py'), '--out', str(out), '--timeout', '45', '-q'],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return SimpleNamespace(returncode=r.returncode, stderr=r.stderr)
+
+
+@pytest.fixture(scope='session')
+def site(tmp_path_factory, worker_id):
+    "The site, built once per run: under pytest-xdist the first worker builds it, the others wait and reuse it."
+    if worker_id == 'master':
+        out = tmp_path_factory.mktemp('docs')/'_docs'
+        r = _build(out)
+    else:
+        shared = tmp_path_factory.getbasetemp().parent   # this run's temp dir, common to all workers
+        out, res = shared/'docs'/'_docs', shared/'docs'/'result.json'
+        (shared/'docs').mkdir(exist_ok=True)
+        with open(shared/'docs'/'.lock', 'w') as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not res.exists(): res.write_text(json.dumps(vars(_build(out))))
+            r = SimpleNamespace(**json.loads(res.read_text()))
     assert (out/'index.html').exists(), r.stderr[-3000:]
     return out, r
 
@@ -55,6 +71,41 @@ def test_images_embedded(site, nb):
     out, _ = site
     if not _has(nb, lambda c, o: c['cell_type'] == 'code' and 'image/png' in o.get('data', {})): pytest.skip('no plots')
     assert re.search(r'<img[^>]+src="data:image/png;base64,', (out/(nb.stem + '.html')).read_text())
+
+
+def _pre_texts(page):
+    "Text of every `<pre>` block of a page, as a reader sees it."
+    return {html.unescape(re.sub(r'<[^>]+>', '', m)).strip() for m in re.findall(r'<pre[^>]*>(.*?)</pre>', page, re.S)}
+
+
+@pytest.mark.parametrize('nb', NBS, ids=lambda p: p.name)
+def test_text_outputs_shown_as_text(site, nb):
+    "Printed output and plain results appear as the text they are (not as the list of lines the .ipynb stores)."
+    out, _ = site
+    want = []
+    for c in _nb(nb)['cells']:
+        if c['cell_type'] != 'code': continue
+        d, _src = render_docs.split_directives(''.join(c['source']))
+        if d.keys() & {'hide', 'export', 'exports', 'exporti', 'hide_output'} or any(
+                render_docs._false(d.get(k, 'true')) for k in ('include', 'output')): continue
+        for o in c.get('outputs', []):
+            if o.get('output_type') == 'stream' and o.get('name') == 'stdout': t = o['text']
+            elif o.get('output_type') == 'execute_result' and set(o.get('data', {})) == {'text/plain'}: t = o['data']['text/plain']
+            else: continue
+            t = re.sub(r'\x1b\[[0-9;]*m', '', ''.join(t)).strip()
+            if t: want.append(t)
+    if not want: pytest.skip('no text outputs')
+    pres = _pre_texts((out/(nb.stem + '.html')).read_text())
+    missing = [t for t in want if t not in pres]
+    assert not missing, missing[:3]
+
+
+def test_no_quarto_attributes_left(site):
+    "Quarto `{...}` attributes (nbdev's show_doc `source` links carry some) are turned into HTML or dropped."
+    out, _ = site
+    for page in out.glob('*.html'):
+        text = re.sub(r'<pre[^>]*>.*?</pre>', '', page.read_text(), flags=re.S)
+        assert not re.search(r'</a>\{|\{(target|style)=', text), page.name
 
 
 def test_index_links_every_chapter(site):

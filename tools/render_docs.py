@@ -179,7 +179,17 @@ _re_div = re.compile(r'^\s*:::+\s*(\{[^}]*\}|[\w.-]+)?\s*$')
 _re_heading_attr = re.compile(r'^(#{1,6}\s.*?)\s*\{[^}]*\}\s*$')
 _re_span_attr = re.compile(r'\[([^\]\n]+)\]\{(?=[.#]|[\w-]+=)[^}\n]*\}')
 _re_img_attr = re.compile(r'(!\[[^\]\n]*\]\([^)\n]*\))\{[^}\n]*\}')
+_re_link_attr = re.compile(r'(?<!!)\[([^\]\n]*)\]\(([^)\s]*)\)\{([^}\n]*)\}')
 _re_shortcode = re.compile(r'\{\{<.*?>\}\}')
+
+def _link_attr(m):
+    "`[text](url){target=\"_blank\" .cls key=\"v\"}` (nbdev's show_doc `source` link) -> an `<a>` with those attributes."
+    text, url, attrs = m.groups()
+    kv = dict(re.findall(r'([\w-]+)\s*=\s*"([^"]*)"', attrs))
+    classes = re.findall(r'(?:^|\s)\.([\w-]+)', attrs)
+    if classes: kv['class'] = ' '.join(classes)
+    extra = ''.join(f' {k}="{html.escape(v)}"' for k, v in kv.items() if k != 'href')
+    return f'<a href="{html.escape(url)}"{extra}>{text}</a>'
 
 def _div_open(attrs):
     classes = re.findall(r'(?:^|[\s{])\.([\w-]+)', attrs or '')
@@ -222,6 +232,7 @@ def degrade_quarto(md):
             continue
         l = _re_heading_attr.sub(r'\1', l)
         l = _re_img_attr.sub(r'\1', l)
+        l = _re_link_attr.sub(_link_attr, l)
         l = _re_span_attr.sub(r'\1', l)
         l = _re_shortcode.sub('', l)
         out.append(l)
@@ -248,6 +259,7 @@ def render_body(nb):
     from nbconvert import HTMLExporter
     nb = degrade_nb(apply_directives(nb))
     node = nbformat.from_dict(nb)
+    nbformat.v4.rwbase.rejoin_lines(node)   # stored outputs keep their text as a list of lines, as in the .ipynb
     node.setdefault('metadata', {})
     for c in node.cells: c.pop('id', None)
     node.nbformat_minor = 4
