@@ -210,6 +210,7 @@ d = { 'settings': { 'branch': 'main',
                              'relpos.shaw._set_tail_columns': ('shaw.html#_set_tail_columns', 'relpos/shaw.py'),
                              'relpos.shaw._strip': ('shaw.html#_strip', 'relpos/shaw.py'),
                              'relpos.shaw._with_tails': ('shaw.html#_with_tails', 'relpos/shaw.py'),
+                             'relpos.shaw.masked_score': ('shaw.html#masked_score', 'relpos/shaw.py'),
                              'relpos.shaw.relation_aware_attention': ('shaw.html#relation_aware_attention', 'relpos/shaw.py'),
                              'relpos.shaw.relative_buckets': ('shaw.html#relative_buckets', 'relpos/shaw.py')},
             'relpos.shift': {'relpos.shift.shift_right': ('shift.html#shift_right', 'relpos/shift.py')}}}
