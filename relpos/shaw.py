@@ -135,6 +135,17 @@ def _chunks(n_q:int, n_k:int, bh:int, chunk_size:Optional[int]):
     c = chunk_size or max(16, 2 ** 22 // max(1, bh * n_k))
     return [(i, min(n_q, i + c)) for i in range(0, n_q, c)]
 
+def _chunk_plan(n_q:int, n_k:int, k:int, bh:int, chunk_size:Optional[int], device, dtype):
+    "Each chunk of query rows `i0:i1`, its strip of keys `[lo, hi)`, the strip's buckets and their one-hot matrix."
+    one_hots = {}   # interior chunks share their strip's geometry, so most chunks reuse one matrix
+    for i0, i1 in _chunks(n_q, n_k, bh, chunk_size):
+        lo, hi = _strip(i0, i1, n_q, n_k, k)
+        offset = i0 + n_k - n_q - lo
+        idx = relative_buckets(i1 - i0, hi - lo, k, offset, device)
+        geometry = (i1 - i0, hi - lo, offset)
+        if geometry not in one_hots: one_hots[geometry] = _one_hot_strip(idx, 2 * k + 1, dtype)
+        yield i0, i1, lo, hi, idx, one_hots[geometry]
+
 def _chunk_scores(q, k_aug, w_k, keep, i0, i1, idx, lo, hi):
     "Scaled scores of query rows `i0:i1` with the key term and the mask: `[b, h, c, n_k]`."
     qc = q[:, :, i0:i1]
@@ -159,16 +170,11 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
         k_aug, v_aug = _with_tails(k), _with_tails(v)
         out = q.new_empty(b, h, n_q, d_v)
         pb = q.new_empty(b, h, n_q, R)                       # attention weights summed per bucket, for backward
-        one_hots = {}
-        for i0, i1 in _chunks(n_q, n_k, b * h, chunk_size):
-            lo, hi = _strip(i0, i1, n_q, n_k, kk)
-            idx = relative_buckets(i1 - i0, hi - lo, kk, i0 + n_k - n_q - lo, q.device)
-            key = (i1 - i0, hi - lo, i0 + n_k - n_q - lo)
-            if key not in one_hots: one_hots[key] = _one_hot_strip(idx, R, q.dtype)
+        for i0, i1, lo, hi, idx, one_hot in _chunk_plan(n_q, n_k, kk, b * h, chunk_size, q.device, q.dtype):
             _set_tail_columns(k_aug, d, lo, hi); _set_tail_columns(v_aug, d_v, lo, hi)
             p = torch.softmax(_chunk_scores(q, k_aug, w_k, keep, i0, i1, idx, lo, hi), -1)
             o = torch.matmul(p, v_aug)                       # [sum_j p v_j, weight of the left tail, of the right tail]
-            pbc = _bucket_sums(p, one_hots[key], lo, hi, o[..., d_v:])
+            pbc = _bucket_sums(p, one_hot, lo, hi, o[..., d_v:])
             pb[:, :, i0:i1] = pbc
             out[:, :, i0:i1] = torch.baddbmm(o[..., :d_v].reshape(-1, i1 - i0, d_v), pbc.reshape(-1, i1 - i0, R),
                                              w_v.expand(b * h, R, d_v)).view(b, h, i1 - i0, d_v)
@@ -187,13 +193,8 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk, dv, dw_k = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(w_k)
         dk3, dv3 = dk.view(bh, n_k, d), dv.view(bh, n_k, d_v)
-        one_hots = {}
-        for i0, i1 in _chunks(n_q, n_k, bh, ctx.chunk_size):
+        for i0, i1, lo, hi, idx, one_hot in _chunk_plan(n_q, n_k, kk, bh, ctx.chunk_size, q.device, q.dtype):
             c = i1 - i0
-            lo, hi = _strip(i0, i1, n_q, n_k, kk)
-            idx = relative_buckets(c, hi - lo, kk, i0 + n_k - n_q - lo, q.device)
-            key = (c, hi - lo, i0 + n_k - n_q - lo)
-            if key not in one_hots: one_hots[key] = _one_hot_strip(idx, R, q.dtype)
             _set_tail_columns(k_aug, d, lo, hi); _set_tail_columns(v_aug, d_v, lo, hi)
             qc, do = q[:, :, i0:i1], dout[:, :, i0:i1]
             p = torch.softmax(_chunk_scores(q, k_aug, w_k, keep, i0, i1, idx, lo, hi), -1)  # recomputed, not stored
@@ -206,7 +207,7 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
             if keep is not None:  # a masked score is the constant -1e9: nothing flows back through it
                 ds.masked_fill_(~(keep if keep.shape[2] == 1 else keep[:, :, i0:i1]), 0)
             dqa = torch.matmul(ds, k_aug)                    # [dS k, dS summed over the left tail, the right tail]
-            dsb = _bucket_sums(ds, one_hots[key], lo, hi, dqa[..., d:])
+            dsb = _bucket_sums(ds, one_hot, lo, hi, dqa[..., d:])
             dq[:, :, i0:i1] = dqa[..., :d] + torch.matmul(dsb, w_k)
             dk3.baddbmm_(ds.reshape(bh, c, n_k).transpose(1, 2), qc.reshape(bh, c, d))
             dw_k.addmm_(dsb.reshape(-1, R).T, qc.reshape(-1, d))
