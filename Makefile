@@ -31,13 +31,18 @@ export: env
 check: env
 	PATH=$(abspath $(BIN)):$$PATH bash tools/check_sync.sh
 
+# Two test processes on two cores: one thread each. Tiny ops in an oversubscribed OpenMP pool wait for
+# thread wake-ups (measured: a 400-step toy training took 1.3 s on 1 thread and 79 s on 2 under load).
+# Benchmarks (make bench) keep torch's default.
+TEST_ENV := OMP_NUM_THREADS=1
+
 nbtest: env
-	$(BIN)/nbdev_test --n_workers 2
+	$(TEST_ENV) $(BIN)/nbdev_test --n_workers 2
 
 # The deselect goes once nbs/02_relative_mha.ipynb keeps its imports out of cells that do work: its '#| slow'
 # benchmark cell (84f8a92f) also imports run_bench, so nbdev's doc processing starts the benchmark and times out.
 pytest: env
-	$(BIN)/python -m pytest -n 2 tests --deselect tests/test_docs.py::test_every_notebook_processed
+	$(TEST_ENV) $(BIN)/python -m pytest -n 2 tests --deselect tests/test_docs.py::test_every_notebook_processed
 
 test: check nbtest pytest
 
