@@ -3,12 +3,22 @@ batch 4, 8 heads, hidden 512, k=16, against plain `scaled_dot_product_attention`
 import torch
 import torch.nn.functional as F
 from relpos.bench import bench_table
+from relpos.fourier import sdpa_bias
 from relpos.shaw import RelationAwareMultiHeadAttention
 
 
 class PlainSDPA(RelationAwareMultiHeadAttention):
     "The same projections and output layer, no position term: one `F.scaled_dot_product_attention` call."
     def attention_fast(self, q, k, v, keep): return F.scaled_dot_product_attention(q, k, v)
+
+
+class KeyTermSDPA(RelationAwareMultiHeadAttention):
+    "The key term only (value term dropped) as a trainable additive bias to the fused kernel (`relpos.fourier.sdpa_bias`)."
+    def attention_fast(self, q, k, v, keep):
+        n_q, n_k = q.shape[2], k.shape[2]
+        idx = self.relative_position_k.buckets(n_q, n_k, n_k - n_q).expand(*q.shape[:2], n_q, n_k)
+        bias = (q @ self.relative_position_k.position_embeddings.T * self.scale).gather(-1, idx)  # [b, h, n_q, n_k]
+        return sdpa_bias(q, k, v, bias, self.scale)
 
 
 def _case(module, n, batch, hidden, device, mem, **call):
@@ -30,6 +40,12 @@ def make_fast(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
     return _case(RelationAwareMultiHeadAttention(hidden, heads, k), n, batch, hidden, device, mem)
 
 
+def make_key_only_sdpa(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
+    "KeyTermSDPA: what a fused kernel costs for the key term alone (not the same method: no value term)."
+    torch.manual_seed(0)
+    return _case(KeyTermSDPA(hidden, heads, k), n, batch, hidden, device, mem)
+
+
 def make_readable(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
     "RelationAwareMultiHeadAttention, readable path (`[n, n, head_dim]` tables, weights kept)."
     torch.manual_seed(0)
@@ -49,7 +65,7 @@ def make_seed(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
     return fn, (torch.randn(batch, n, hidden, device=device, requires_grad=True),)
 
 
-CASES = {name: f'bench.shaw:make_{name}' for name in ['sdpa', 'fast', 'readable', 'seed']}
+CASES = {name: f'bench.shaw:make_{name}' for name in ['sdpa', 'fast', 'key_only_sdpa', 'readable', 'seed']}
 
 
 def main(ns=(128, 512, 1024, 2048), reps=3, cases=None, mem=(0,)):
