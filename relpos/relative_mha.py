@@ -8,6 +8,7 @@ __all__ = ['RelativeMultiHeadAttention', 'sinusoid_positions', 'XLRelativeMultiH
 
 # %% ../nbs/02_relative_mha.ipynb #2337bae2
 import copy, math
+from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Tuple
 import torch
 from torch import nn
@@ -129,32 +130,48 @@ class XLRelativeMultiHeadAttention(_RelativeAttention):
     def content_bias(self): return self.u
 
 # %% ../nbs/02_relative_mha.ipynb #2b82e506
-def _chunks(n_q:int, n_k:int, bh:int, chunk_size:Optional[int]):
-    "Query-row ranges; automatic size: about 2**25 score elements per chunk (a few 128 MB blocks in float32)."
-    c = chunk_size or max(16, 2 ** 25 // max(1, bh * (n_k + n_q)))
-    return [(i, min(n_q, i + c)) for i in range(0, n_q, c)]
+def _block_rows(n_k:int, chunk_size:Optional[int]) -> int:
+    "Query rows per block: `chunk_size`, or about 2**18 scores (1 MB in float32: a block stays in cache)."
+    return chunk_size or max(16, 2 ** 18 // max(1, n_k))
 
-def _chunk_scores(qu, k, qpa, Ra, mask, i0, i1):
-    "Scores of queries `i0:i1` against all keys, position term included and mask applied: `[b, h, c, n_k]`."
-    b, h, n_q, _ = qu.shape
-    n_k, c = k.shape[2], i1 - i0
-    w0, L = n_q - i1 + 1, n_k + c - 1            # the window rows this chunk reads: w = j - i + n_q
-    # position term, heads as the batch of one bmm: [h, b*c, d+1] @ [h, d+1, L]; the last column of
-    # `qpa` is 1 and that of `Ra` is S, so this is Q_i . R_w + S_w in one product
-    qpc = qpa[:, :, i0:i1].reshape(h, b * c, qpa.shape[-1])
-    bd = torch.bmm(qpc, Ra[:, w0:w0 + L].transpose(1, 2))
+def _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1):
+    "Scores `[c, n_k]` of batch element `bb`, head `hh`, queries `i0:i1` against all keys, position term and mask included."
+    n_q, n_k, c = qu.shape[2], kT.shape[-1], i1 - i0
+    w0, L = n_q - i1 + 1, n_k + c - 1            # the window rows this block reads: w = j - i + n_q
+    # position term [c, e] @ [e, L]: the extra columns of `qpa` (ones, and -lse in backward) meet S (and ones) in `Ra`
+    bd = torch.mm(qpa[hh, bb, i0:i1], Ra[hh, w0:w0 + L].T)
     # shift: s[ii, j] needs bd[ii, j + c - 1 - ii], i.e. a view with row stride L - 1 (no copy)
-    shifted = bd.as_strided((b, h, c, n_k), (c * L, b * c * L, L - 1, 1), bd.storage_offset() + c - 1)
-    s = torch.matmul(qu[:, :, i0:i1], k.transpose(-1, -2))                  # content: (Q_i + v) . K_j
-    s += shifted
-    if mask is not None:
-        s.masked_fill_(~(mask if mask.shape[2] == 1 else mask[:, :, i0:i1]), float('-inf'))
-    return s, bd, shifted, qpc, (w0, L)
+    shifted = bd.as_strided((c, n_k), (L - 1, 1), bd.storage_offset() + c - 1)
+    s = torch.addmm(shifted, qu[bb, hh, i0:i1], kT[bb, hh])   # content term (Q_i + v) . K_j, added to the position term
+    if inv_mask is not None:
+        m = inv_mask[bb if inv_mask.shape[0] > 1 else 0, 0]
+        s.masked_fill_(m if m.shape[0] == 1 else m[i0:i1], float('-inf'))
+    return s, bd, shifted, (w0, L)
 
-def _keep_mask(seed, i0, shape, p, device):
-    "Dropout keep-mask of the chunk starting at `i0`, reproducible from `seed` (so backward needs not store it)."
-    g = torch.Generator(device=device); g.manual_seed(seed + i0)
+def _keep_mask(seed, key, shape, p, device):
+    "Dropout keep-mask of one block, reproducible from `seed` and the block's `key` (so backward needs not store it)."
+    g = torch.Generator(device=device); g.manual_seed(seed + key)
     return torch.rand(shape, generator=g, device=device) >= p
+
+def _per_head(heads:int, fn, work:int):
+    "Run `fn(h)` for every head: one single-threaded worker per intra-op thread, on disjoint heads (no write races)."
+    # The blocks are small: a worker runs its ops inline instead of opening an intra-op parallel region for
+    # each one (a thread wake-up per op, which costs more than the op on a busy machine). Grad and inference
+    # mode are per thread, so the workers get them from the caller.
+    threads, inference = torch.get_num_threads(), torch.is_inference_mode_enabled()
+    workers = max(1, min(threads, heads)) if work >= 2 ** 22 else 1
+    def run(group):
+        torch.set_num_threads(1)
+        with torch.inference_mode(inference), torch.no_grad():  # in this order: inference_mode(False) turns grad on
+            for h in group: fn(h)
+    groups = [range(w, heads, workers) for w in range(workers)]
+    torch.set_num_threads(1)
+    try:
+        if workers == 1: run(groups[0])
+        else:
+            with ThreadPoolExecutor(workers) as pool: list(pool.map(run, groups))
+    finally:
+        torch.set_num_threads(threads)
 
 # %% ../nbs/02_relative_mha.ipynb #905fbcb4
 class _RelativeAttentionFn(torch.autograd.Function):
@@ -162,20 +179,27 @@ class _RelativeAttentionFn(torch.autograd.Function):
     def forward(ctx, qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size):
         b, h, n_q, _ = qu.shape
         n_k = k.shape[2]
+        c = _block_rows(n_k, chunk_size)
         out = qu.new_empty(b, h, n_q, v.shape[-1])
         lse = qu.new_empty(b, h, n_q)
-        for i0, i1 in _chunks(n_q, n_k, b * h, chunk_size):
-            s = _chunk_scores(qu, k, qpa, Ra, mask, i0, i1)[0]
-            # softmax in place, keeping log-sum-exp for the backward pass
-            mx = s.amax(-1, keepdim=True)
-            mx = mx.masked_fill(mx == float('-inf'), 0.)           # fully masked row: avoid -inf - -inf
-            p = s.sub_(mx).exp_()
-            l = p.sum(-1, keepdim=True)
-            p.mul_(torch.where(l > 0, l.reciprocal(), torch.zeros_like(l)))  # fully masked row: weights 0
-            if dropout_p > 0: p = p * _keep_mask(seed, i0, p.shape, dropout_p, p.device) / (1 - dropout_p)
-            out[:, :, i0:i1] = torch.matmul(p, v)
-            l = (mx + l.log())[..., 0]
-            lse[:, :, i0:i1] = l.masked_fill(l == float('-inf'), float('inf'))  # so that exp(s - lse) = 0
+        kT, inv_mask = k.transpose(-1, -2), (None if mask is None else ~mask)
+        def head(hh):
+            for bb in range(b):
+                for i0 in range(0, n_q, c):
+                    i1 = min(n_q, i0 + c)
+                    s = _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1)[0]
+                    # softmax in place, keeping log-sum-exp for the backward pass
+                    mx = s.amax(-1, keepdim=True)
+                    mx.masked_fill_(mx == float('-inf'), 0.)              # fully masked row: avoid -inf - -inf
+                    p = s.sub_(mx).exp_()
+                    l = p.sum(-1, keepdim=True)
+                    p.mul_(torch.where(l > 0, l.reciprocal(), torch.zeros_like(l)))  # fully masked row: weights 0
+                    if dropout_p > 0:
+                        p.mul_(_keep_mask(seed, (hh * b + bb) * n_q + i0, p.shape, dropout_p, p.device)).div_(1 - dropout_p)
+                    torch.mm(p, v[bb, hh], out=out[bb, hh, i0:i1])
+                    l = (mx + l.log())[:, 0]
+                    lse[bb, hh, i0:i1] = l.masked_fill_(l == float('-inf'), float('inf'))  # so that exp(s - lse) = 0
+        _per_head(h, head, b * h * n_q * n_k)
         ctx.save_for_backward(qu, k, v, qpa, Ra, mask, out, lse)
         ctx.dropout_p, ctx.seed, ctx.chunk_size = dropout_p, seed, chunk_size
         return out
@@ -184,31 +208,42 @@ class _RelativeAttentionFn(torch.autograd.Function):
     def backward(ctx, dout):
         qu, k, v, qpa, Ra, mask, out, lse = ctx.saved_tensors
         b, h, n_q, d = qu.shape
-        n_k, dp_, bh = k.shape[2], ctx.dropout_p, b * h
+        n_k, dp_ = k.shape[2], ctx.dropout_p
+        c = _block_rows(n_k, ctx.chunk_size)
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)          # Delta_i = dO_i . O_i = sum_j P_ij dP_ij
+        # extra columns that fold two passes into the products: [Q, 1, -lse] . [R, S, 1] = Q R + S - lse,
+        # so exp of the scores is P; [dO, -Delta] . [V, 1] = dP - Delta
+        qpl = torch.cat([qpa, -lse.transpose(0, 1)[..., None]], -1)
+        Ral = torch.cat([Ra, Ra.new_ones(*Ra.shape[:-1], 1)], -1)
+        ga, vaT = torch.cat([dout, -delta], -1), torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1).transpose(-1, -2)
         dqu, dqpa = torch.empty_like(qu), torch.empty_like(qpa)
-        dk, dv, dRa = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(Ra)
-        dk3, dv3 = dk.view(bh, n_k, d), dv.view(bh, n_k, v.shape[-1])
-        for i0, i1 in _chunks(n_q, n_k, bh, ctx.chunk_size):
-            c = i1 - i0
-            s, bd, shifted, qpc, (w0, L) = _chunk_scores(qu, k, qpa, Ra, mask, i0, i1)
-            p = s.sub_(lse[:, :, i0:i1, None]).exp_()      # softmax recomputed from the saved log-sum-exp
-            do = dout[:, :, i0:i1]
-            dp = torch.matmul(do, v.transpose(-1, -2))
-            pd = p
-            if dp_ > 0:
-                keep = _keep_mask(ctx.seed, i0, p.shape, dp_, p.device)
-                pd = p * keep / (1 - dp_)
-                dp = dp * keep / (1 - dp_)
-            dv3.baddbmm_(pd.reshape(bh, c, n_k).transpose(1, 2), do.reshape(bh, c, v.shape[-1]))
-            ds = dp.sub_(delta[:, :, i0:i1]).mul_(p)        # gradient of the scores
-            dqu[:, :, i0:i1] = torch.matmul(ds, k)
-            dk3.baddbmm_(ds.reshape(bh, c, n_k).transpose(1, 2), qu[:, :, i0:i1].reshape(bh, c, d))
-            bd.zero_(); shifted.copy_(ds)                   # un-shift: gradient of Q R^T + S in window coordinates
-            dqpa[:, :, i0:i1] = torch.bmm(bd, Ra[:, w0:w0 + L]).view(h, b, c, Ra.shape[-1])
-            dRa[:, w0:w0 + L] += torch.bmm(bd.transpose(1, 2), qpc)   # R and S (the column of ones) together
-        return dqu, dk, dv, dqpa, dRa, None, None, None, None
+        # dK, dV and dR accumulate over query blocks; kept transposed ([d, n_k]), the products that add to
+        # them read the block's rows as they lie in memory (a quarter faster than accumulating [n_k, d])
+        dkT, dvT, dRaT = (t.new_zeros(*t.shape[:-2], t.shape[-1], t.shape[-2]) for t in (k, v, Ra))
+        kT, inv_mask = k.transpose(-1, -2), (None if mask is None else ~mask)
+        def head(hh):
+            for bb in range(b):
+                for i0 in range(0, n_q, c):
+                    i1 = min(n_q, i0 + c)
+                    s, bd, shifted, (w0, L) = _block_scores(qu, kT, qpl, Ral, inv_mask, bb, hh, i0, i1)
+                    p = s.exp_()                             # softmax recomputed from the saved log-sum-exp
+                    do = dout[bb, hh, i0:i1]
+                    if dp_ > 0:
+                        keep = _keep_mask(ctx.seed, (hh * b + bb) * n_q + i0, p.shape, dp_, p.device)
+                        dvT[bb, hh].addmm_(do.T, p * keep, alpha=1 / (1 - dp_))
+                        dp = torch.mm(do, v[bb, hh].T).mul_(keep).div_(1 - dp_).sub_(delta[bb, hh, i0:i1])
+                    else:
+                        dvT[bb, hh].addmm_(do.T, p)
+                        dp = torch.mm(ga[bb, hh, i0:i1], vaT[bb, hh])
+                    ds = p.mul_(dp)                          # gradient of the scores
+                    torch.mm(ds, k[bb, hh], out=dqu[bb, hh, i0:i1])
+                    dkT[bb, hh].addmm_(qu[bb, hh, i0:i1].T, ds)
+                    bd.zero_(); shifted.copy_(ds)            # un-shift: gradient of Q R^T + S in window coordinates
+                    torch.mm(bd, Ra[hh, w0:w0 + L], out=dqpa[hh, bb, i0:i1])
+                    dRaT[hh, :, w0:w0 + L].addmm_(qpa[hh, bb, i0:i1].T, bd)   # R and S (the column of ones) together
+        _per_head(h, head, b * h * n_q * n_k)
+        return dqu, dkT.transpose(-1, -2), dvT.transpose(-1, -2), dqpa, dRaT.transpose(-1, -2), None, None, None, None
 
 # %% ../nbs/02_relative_mha.ipynb #7e1ee9d8
 def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus content bias, already scaled
@@ -219,12 +254,16 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
                        S:torch.Tensor,    # `[h, n_k + n_q]` window of position biases, already scaled
                        mask:Optional[torch.Tensor]=None, # bool `[b|1, 1, n_q|1, n_k]`, True = may attend
                        dropout_p:float=0.0,              # dropout on the attention weights
-                       chunk_size:Optional[int]=None,    # query rows per chunk (None: automatic)
+                       chunk_size:Optional[int]=None,    # query rows per block (None: automatic)
                       ) -> torch.Tensor:  # `[b, h, n_q, d_v]`
-    "Relative attention `softmax(qu k^T + shift(qp R^T + S)) v`, chunked over queries, with recomputation in backward."
+    "Relative attention `softmax(qu k^T + shift(qp R^T + S)) v`, in cache-sized blocks of queries, with recomputation in backward."
     n_q, n_k = qu.shape[2], k.shape[2]
     if R.shape[-2] != n_k + n_q or S.shape[-1] != n_k + n_q:
         raise ValueError(f"R and S must hold n_k + n_q = {n_k + n_q} window rows, got R {tuple(R.shape)} and S {tuple(S.shape)}")
+    # one dtype for the blocks (the workers run without autocast): autocast's, else the promoted one
+    dt = (torch.get_autocast_dtype(qu.device.type) if torch.is_autocast_enabled(qu.device.type)
+          else torch.promote_types(torch.promote_types(qu.dtype, qp.dtype), torch.promote_types(R.dtype, S.dtype)))
+    qu, qp, k, v, R, S = (t.to(dt) for t in (qu, qp, k, v, R, S))
     # S rides along as an extra feature: [Q, 1] . [R, S] = Q . R + S (autograd splits the gradients back)
     qpa = torch.cat([qp, qp.new_ones(*qp.shape[:-1], 1)], -1).transpose(0, 1).contiguous()  # [h, b, n_q, d + 1]
     Ra = torch.cat([R, S[..., None]], -1).contiguous()                                        # [h, n_k + n_q, d + 1]
