@@ -19,7 +19,8 @@ from .shift import shift_right
 class _RelativeAttention(MultiHeadAttention):
     "Shared code of the relative modules: length checks, labml's `get_scores`, and the chunked fast path."
     max_len: Optional[int] = None   # longest key (and query) the position tables cover; None: no limit
-    chunk_size: Optional[int] = None # query rows per chunk on the fast path; None: chosen from the sizes
+    chunk_size: Optional[int] = None # query rows per block on the fast path; None: chosen from the sizes
+    recompute: bool = False          # fast path: recompute the softmax in backward (less memory, slower) instead of keeping it
 
     def position_tables(self, seq_len_q:int, seq_len_k:int) -> Tuple[torch.Tensor, torch.Tensor]:
         "`R [n_k + n_q, heads, d_k]` and `S [n_k + n_q, heads]`: row `w` serves relative distance `j - i = w - n_k`."
@@ -67,7 +68,8 @@ class _RelativeAttention(MultiHeadAttention):
         qp = q * self.scale                                          # Q_i / sqrt(d_k): position term
         m = None if mask is None else mask[..., 0].permute(2, 0, 1).unsqueeze(1)  # [b|1, 1, n_q|1, n_k]
         x = relative_attention(qu, qp, k, v, R.transpose(0, 1).contiguous(), (S * self.scale).t().contiguous(), m,
-                               dropout_p=self.dropout.p if self.training else 0.0, chunk_size=self.chunk_size)
+                               dropout_p=self.dropout.p if self.training else 0.0, chunk_size=self.chunk_size,
+                               recompute=self.recompute)
         return x.permute(2, 0, 1, 3)  # [n_q, batch, heads, d_k]
 
 # %% ../nbs/02_relative_mha.ipynb #a645336b
@@ -131,10 +133,10 @@ class XLRelativeMultiHeadAttention(_RelativeAttention):
 
 # %% ../nbs/02_relative_mha.ipynb #2b82e506
 def _block_rows(n_k:int, chunk_size:Optional[int]) -> int:
-    "Query rows per block: `chunk_size`, or about 2**18 scores (1 MB in float32: a block stays in cache)."
-    return chunk_size or max(16, 2 ** 18 // max(1, n_k))
+    "Query rows per block: `chunk_size`, or about 2**18 scores (1 MB in float32: a block stays in cache), at least 128."
+    return chunk_size or max(128, 2 ** 18 // max(1, n_k))
 
-def _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1):
+def _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1, out=None):
     "Scores `[c, n_k]` of batch element `bb`, head `hh`, queries `i0:i1` against all keys, position term and mask included."
     n_q, n_k, c = qu.shape[2], kT.shape[-1], i1 - i0
     w0, L = n_q - i1 + 1, n_k + c - 1            # the window rows this block reads: w = j - i + n_q
@@ -142,7 +144,7 @@ def _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1):
     bd = torch.mm(qpa[hh, bb, i0:i1], Ra[hh, w0:w0 + L].T)
     # shift: s[ii, j] needs bd[ii, j + c - 1 - ii], i.e. a view with row stride L - 1 (no copy)
     shifted = bd.as_strided((c, n_k), (L - 1, 1), bd.storage_offset() + c - 1)
-    s = torch.addmm(shifted, qu[bb, hh, i0:i1], kT[bb, hh])   # content term (Q_i + v) . K_j, added to the position term
+    s = torch.addmm(shifted, qu[bb, hh, i0:i1], kT[bb, hh], out=out)  # content term (Q_i + v) . K_j, plus the position term
     if inv_mask is not None:
         m = inv_mask[bb if inv_mask.shape[0] > 1 else 0, 0]
         s.masked_fill_(m if m.shape[0] == 1 else m[i0:i1], float('-inf'))
@@ -176,18 +178,20 @@ def _per_head(heads:int, fn, work:int):
 # %% ../nbs/02_relative_mha.ipynb #905fbcb4
 class _RelativeAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size):
+    def forward(ctx, qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size, recompute):
         b, h, n_q, _ = qu.shape
         n_k = k.shape[2]
         c = _block_rows(n_k, chunk_size)
         out = qu.new_empty(b, h, n_q, v.shape[-1])
         lse = qu.new_empty(b, h, n_q)
+        probs = None if recompute else qu.new_empty(b, h, n_q, n_k)  # the softmax, kept for backward
         kT, inv_mask = k.transpose(-1, -2), (None if mask is None else ~mask)
         def head(hh):
             for bb in range(b):
                 for i0 in range(0, n_q, c):
                     i1 = min(n_q, i0 + c)
-                    s = _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1)[0]
+                    s = _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1,
+                                      None if recompute else probs[bb, hh, i0:i1])[0]
                     # softmax in place, keeping log-sum-exp for the backward pass
                     mx = s.amax(-1, keepdim=True)
                     mx.masked_fill_(mx == float('-inf'), 0.)              # fully masked row: avoid -inf - -inf
@@ -195,18 +199,18 @@ class _RelativeAttentionFn(torch.autograd.Function):
                     l = p.sum(-1, keepdim=True)
                     p.mul_(torch.where(l > 0, l.reciprocal(), torch.zeros_like(l)))  # fully masked row: weights 0
                     if dropout_p > 0:
-                        p.mul_(_keep_mask(seed, (hh * b + bb) * n_q + i0, p.shape, dropout_p, p.device)).div_(1 - dropout_p)
+                        p = p * _keep_mask(seed, (hh * b + bb) * n_q + i0, p.shape, dropout_p, p.device) / (1 - dropout_p)
                     torch.mm(p, v[bb, hh], out=out[bb, hh, i0:i1])
                     l = (mx + l.log())[:, 0]
                     lse[bb, hh, i0:i1] = l.masked_fill_(l == float('-inf'), float('inf'))  # so that exp(s - lse) = 0
         _per_head(h, head, b * h * n_q * n_k)
-        ctx.save_for_backward(qu, k, v, qpa, Ra, mask, out, lse)
+        ctx.save_for_backward(qu, k, v, qpa, Ra, mask, out, lse, probs)
         ctx.dropout_p, ctx.seed, ctx.chunk_size = dropout_p, seed, chunk_size
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qu, k, v, qpa, Ra, mask, out, lse = ctx.saved_tensors
+        qu, k, v, qpa, Ra, mask, out, lse, probs = ctx.saved_tensors
         b, h, n_q, d = qu.shape
         n_k, dp_ = k.shape[2], ctx.dropout_p
         c = _block_rows(n_k, ctx.chunk_size)
@@ -226,8 +230,15 @@ class _RelativeAttentionFn(torch.autograd.Function):
             for bb in range(b):
                 for i0 in range(0, n_q, c):
                     i1 = min(n_q, i0 + c)
-                    s, bd, shifted, (w0, L) = _block_scores(qu, kT, qpl, Ral, inv_mask, bb, hh, i0, i1)
-                    p = s.exp_()                             # softmax recomputed from the saved log-sum-exp
+                    if probs is None:                        # softmax recomputed from the saved log-sum-exp
+                        s, bd, shifted, (w0, L) = _block_scores(qu, kT, qpl, Ral, inv_mask, bb, hh, i0, i1)
+                        p = s.exp_()
+                    else:                                    # or read back; bd is then only the un-shift buffer
+                        c_, w0 = i1 - i0, n_q - i1 + 1
+                        L = n_k + c_ - 1
+                        bd = qu.new_empty(c_, L)
+                        shifted = bd.as_strided((c_, n_k), (L - 1, 1), c_ - 1)
+                        p = probs[bb, hh, i0:i1]
                     do = dout[bb, hh, i0:i1]
                     if dp_ > 0:
                         keep = _keep_mask(ctx.seed, (hh * b + bb) * n_q + i0, p.shape, dp_, p.device)
@@ -236,14 +247,14 @@ class _RelativeAttentionFn(torch.autograd.Function):
                     else:
                         dvT[bb, hh].addmm_(do.T, p)
                         dp = torch.mm(ga[bb, hh, i0:i1], vaT[bb, hh])
-                    ds = p.mul_(dp)                          # gradient of the scores
+                    ds = dp.mul_(p)                          # gradient of the scores
                     torch.mm(ds, k[bb, hh], out=dqu[bb, hh, i0:i1])
                     dkT[bb, hh].addmm_(qu[bb, hh, i0:i1].T, ds)
                     bd.zero_(); shifted.copy_(ds)            # un-shift: gradient of Q R^T + S in window coordinates
                     torch.mm(bd, Ra[hh, w0:w0 + L], out=dqpa[hh, bb, i0:i1])
                     dRaT[hh, :, w0:w0 + L].addmm_(qpa[hh, bb, i0:i1].T, bd)   # R and S (the column of ones) together
         _per_head(h, head, b * h * n_q * n_k)
-        return dqu, dkT.transpose(-1, -2), dvT.transpose(-1, -2), dqpa, dRaT.transpose(-1, -2), None, None, None, None
+        return dqu, dkT.transpose(-1, -2), dvT.transpose(-1, -2), dqpa, dRaT.transpose(-1, -2), None, None, None, None, None
 
 # %% ../nbs/02_relative_mha.ipynb #7e1ee9d8
 def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus content bias, already scaled
@@ -255,6 +266,7 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
                        mask:Optional[torch.Tensor]=None, # bool `[b|1, 1, n_q|1, n_k]`, True = may attend
                        dropout_p:float=0.0,              # dropout on the attention weights
                        chunk_size:Optional[int]=None,    # query rows per block (None: automatic)
+                       recompute:bool=False,             # backward recomputes the softmax instead of keeping it
                       ) -> torch.Tensor:  # `[b, h, n_q, d_v]`
     "Relative attention `softmax(qu k^T + shift(qp R^T + S)) v`, in cache-sized blocks of queries, with recomputation in backward."
     n_q, n_k = qu.shape[2], k.shape[2]
@@ -267,9 +279,11 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
     # S rides along as an extra feature: [Q, 1] . [R, S] = Q . R + S (autograd splits the gradients back)
     qpa = torch.cat([qp, qp.new_ones(*qp.shape[:-1], 1)], -1).transpose(0, 1).contiguous()  # [h, b, n_q, d + 1]
     Ra = torch.cat([R, S[..., None]], -1).contiguous()                                        # [h, n_k + n_q, d + 1]
+    # no backward coming (inference, no_grad): nothing to keep
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qu, k, v, qpa, Ra))
     seed = int(torch.randint(0, 2 ** 62, (1,))) if dropout_p > 0 else 0   # from the global RNG: torch.manual_seed reproduces it
     return _RelativeAttentionFn.apply(qu.contiguous(), k.contiguous(), v.contiguous(), qpa, Ra, mask,
-                                      float(dropout_p), seed, chunk_size)
+                                      float(dropout_p), seed, chunk_size, recompute or not needs_grad)
 
 # %% ../nbs/02_relative_mha.ipynb #e12a3b31
 class FeedForward(nn.Module):
