@@ -23,9 +23,16 @@ def make_sdpa(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
 
 
 def make_fast(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
-    "RelativeMultiHeadAttention, fast path (chunked `relative_attention`)."
+    "RelativeMultiHeadAttention, fast path (blockwise `relative_attention`, softmax kept for backward)."
     return _case(RelativeMultiHeadAttention(heads, d_model, dropout_prob=0.0, P=max(4096, n + mem)),
                  n, batch, d_model, device, mem)
+
+
+def make_fast_recompute(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
+    "RelativeMultiHeadAttention, fast path with `recompute=True` (softmax recomputed in backward, not kept)."
+    module = RelativeMultiHeadAttention(heads, d_model, dropout_prob=0.0, P=max(4096, n + mem))
+    module.recompute = True
+    return _case(module, n, batch, d_model, device, mem)
 
 
 def make_xl_fast(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
@@ -47,7 +54,7 @@ def make_labml(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
     return _case(Labml(heads, d_model, dropout_prob=0.0), n, batch, d_model, device, mem)
 
 
-CASES = {name: f'bench.relative_mha:make_{name}' for name in ['sdpa', 'fast', 'xl_fast', 'readable', 'labml']}
+CASES = {name: f'bench.relative_mha:make_{name}' for name in ['sdpa', 'fast', 'fast_recompute', 'xl_fast', 'readable', 'labml']}
 
 
 def main(ns=(128, 512, 1024, 2048), reps=2, cases=None):

@@ -74,14 +74,15 @@ def test_gradcheck_float64(cls, chunk_size):
     assert torch.autograd.gradcheck(g, tuple(p.detach().requires_grad_() for p in params))
 
 
-def test_kernel_gradcheck_with_dropout():
+@pytest.mark.parametrize('recompute', [False, True])
+def test_kernel_gradcheck_with_dropout(recompute):
     torch.manual_seed(0)
     b, h, n_q, n_k, d = 2, 2, 4, 6, 3
     t = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)
     args = (t(b, h, n_q, d), t(b, h, n_q, d), t(b, h, n_k, d), t(b, h, n_k, d), t(h, n_k + n_q, d), t(h, n_k + n_q))
     def f(*a):
         torch.manual_seed(3)  # same keep-mask on every call
-        return relative_attention(*a, dropout_p=0.3, chunk_size=3)
+        return relative_attention(*a, dropout_p=0.3, chunk_size=3, recompute=recompute)
     assert torch.autograd.gradcheck(f, args)
     torch.manual_seed(3); a = relative_attention(*args, dropout_p=0.3)
     torch.manual_seed(4); b_ = relative_attention(*args, dropout_p=0.3)
@@ -95,8 +96,8 @@ def test_fast_equals_reference(cls):
     x = torch.randn(20, 3, 32, requires_grad=True)
     mask = torch.rand(12, 20, 3) > 0.3; mask[4, :, 2] = False
     outs, grads = [], []
-    for kw in [dict(need_weights=True), {}, dict(chunk_size=5)]:
-        m.chunk_size = kw.pop('chunk_size', None)
+    for kw in [dict(need_weights=True), {}, dict(chunk_size=5), dict(recompute=True), dict(chunk_size=5, recompute=True)]:
+        m.chunk_size, m.recompute = kw.pop('chunk_size', None), kw.pop('recompute', False)
         x.grad = None; m.zero_grad()
         out = m(query=x[-12:], key=x, value=x, mask=mask, **kw)
         (out * torch.cos(torch.arange(out.numel()).view_as(out).float())).sum().backward()
