@@ -39,10 +39,8 @@ TEST_ENV := OMP_NUM_THREADS=1
 nbtest: env
 	$(TEST_ENV) $(BIN)/nbdev_test --n_workers 2
 
-# The deselect goes once nbs/02_relative_mha.ipynb keeps its imports out of cells that do work: its '#| slow'
-# benchmark cell (84f8a92f) also imports run_bench, so nbdev's doc processing starts the benchmark and times out.
 pytest: env
-	$(TEST_ENV) $(BIN)/python -m pytest -n 2 tests --deselect tests/test_docs.py::test_every_notebook_processed
+	$(TEST_ENV) $(BIN)/python -m pytest -n 2 tests
 
 test: check nbtest pytest
 
