@@ -13,7 +13,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-# %% ../nbs/03_shaw.ipynb #00b9ebd1
+# %% ../nbs/03_shaw.ipynb #0cc63030
 def _check_length(x, name:str) -> int:
     if isinstance(x, bool) or not isinstance(x, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
@@ -31,11 +31,12 @@ def relative_buckets(length_query:int,  # number of queries
     j = torch.arange(length_key, device=device)[None, :]
     return (j - i).clamp(-k, k) + k
 
+# %% ../nbs/03_shaw.ipynb #2cc64fdd
 def masked_score(dtype:torch.dtype) -> float:
     "The score of a masked key: the seed's -1e9, or the most negative finite value where -1e9 does not fit (float16)."
     return max(-1e9, torch.finfo(dtype).min)
 
-# %% ../nbs/03_shaw.ipynb #13bdf4ae
+# %% ../nbs/03_shaw.ipynb #b4db99ff
 class RelativePosition(nn.Module):
     "Learned relative position embeddings `[2k+1, d_a]`; `forward(length_query, length_key)` -> `[length_query, length_key, d_a]`."
     def __init__(self,
@@ -66,7 +67,7 @@ class RelativePosition(nn.Module):
                ) -> torch.Tensor:  # `[length_query, length_key, d_a]`
         return self.position_embeddings[self.buckets(length_query, length_key, offset)]
 
-# %% ../nbs/03_shaw.ipynb #751c5d0e
+# %% ../nbs/03_shaw.ipynb #03417939
 class RelationAwareAttentionHead(nn.Module):
     "One relation-aware head, seed 002's code: `[batch, seq, hidden_size]` in, `[batch, seq_q, head_dim]` out."
     def __init__(self,
@@ -101,7 +102,7 @@ class RelationAwareAttentionHead(nn.Module):
         values_2 = torch.matmul(att_weights.permute(1, 0, 2), self.v_bias_matrix).transpose(0, 1)  # sum_j alpha_ij a^V_ij
         return values_1 + values_2
 
-# %% ../nbs/03_shaw.ipynb #e846762e
+# %% ../nbs/03_shaw.ipynb #290b2c69
 def _strip(i0:int, i1:int, n_q:int, n_k:int, k:int) -> Tuple[int, int]:
     "Keys `[lo, hi)` whose bucket depends on the query row, for rows `i0:i1` (the last query aligned with the last key)."
     off = n_k - n_q
@@ -114,7 +115,7 @@ def _set_tail_columns(x_aug:torch.Tensor, d:int, lo:int, hi:int):
     tails = x_aug[..., d:]
     tails.zero_(); tails[..., :lo, 0] = 1; tails[..., hi:, 1] = 1
 
-# %% ../nbs/03_shaw.ipynb #57cb13e7
+# %% ../nbs/03_shaw.ipynb #f7088230
 def _one_hot_strip(idx:torch.Tensor, n_buckets:int, dtype) -> torch.Tensor:
     "`[c, w, 2k+1]` one-hot of the strip's buckets: turns per-bucket sums into one batched matmul."
     return (idx[..., None] == torch.arange(n_buckets, device=idx.device)).to(dtype)
@@ -129,7 +130,7 @@ def _bucket_sums(x:torch.Tensor, one_hot:torch.Tensor, lo:int, hi:int, tails:tor
     out[..., 0] += tails[..., 0]; out[..., -1] += tails[..., 1]
     return out
 
-# %% ../nbs/03_shaw.ipynb #d6a5f720
+# %% ../nbs/03_shaw.ipynb #ffa1dd25
 def _chunks(n_q:int, n_k:int, bh:int, chunk_size:Optional[int]):
     "Query-row ranges; automatic size: about 2**20 scores (4 MiB in float32) per chunk, at least 32 rows."
     # measured (CPU, batch 4, 8 heads, n = 1024): 2**22 scores per chunk peak at 2x the memory of 2**20, same time;
@@ -162,7 +163,7 @@ def _with_tails(x):
     b, h, n, d = x.shape
     return torch.cat([x, x.new_zeros(b, h, n, 2)], -1)
 
-# %% ../nbs/03_shaw.ipynb #ca77b48e
+# %% ../nbs/03_shaw.ipynb #182df326
 class _RelationAwareAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, w_k, w_v, keep, chunk_size):
@@ -216,7 +217,7 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
         dw_v = pb.reshape(-1, R).T @ dout.reshape(-1, d_v)
         return dq, dk, dv, dw_k, dw_v, None, None
 
-# %% ../nbs/03_shaw.ipynb #626231b3
+# %% ../nbs/03_shaw.ipynb #9d0ed975
 def relation_aware_attention(q:torch.Tensor,    # `[batch, heads, seq_q, head_dim]`
                              k:torch.Tensor,    # `[batch, heads, seq_k, head_dim]`, seq_k >= seq_q
                              v:torch.Tensor,    # `[batch, heads, seq_k, head_dim_v]`
@@ -232,7 +233,7 @@ def relation_aware_attention(q:torch.Tensor,    # `[batch, heads, seq_q, head_di
                                            w_k.to(dtype).contiguous(), w_v.to(dtype).contiguous(),
                                            keep, chunk_size)
 
-# %% ../nbs/03_shaw.ipynb #c30b252e
+# %% ../nbs/03_shaw.ipynb #2b878c50
 def _fuse_linears(linears) -> nn.Linear:
     "One `nn.Linear` whose output rows are those of `linears`, stacked in order (head h owns rows h*d:(h+1)*d)."
     fused = nn.utils.skip_init(nn.Linear, linears[0].in_features, sum(l.out_features for l in linears))
