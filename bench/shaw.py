@@ -1,5 +1,6 @@
 """Benchmark of chapter 03 (Shaw et al. relation-aware attention): forward+backward of one attention call,
 batch 4, 8 heads, hidden 512, k=16, against plain `scaled_dot_product_attention` with the same projections."""
+from functools import partial
 import torch
 import torch.nn.functional as F
 from relpos.bench import bench_table
@@ -21,35 +22,19 @@ class KeyTermSDPA(RelationAwareMultiHeadAttention):
         return sdpa_bias(q, k, v, bias, self.scale)
 
 
-def _case(module, n, batch, hidden, device, mem, **call):
-    module = module.to(device).train()
+def _make(cls, n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0, **call):
+    "One step of `cls(hidden, heads, k)` on `n` queries over `mem + n` keys."
+    torch.manual_seed(0)
+    module = cls(hidden, heads, k).to(device).train()
     x = torch.randn(batch, mem + n, hidden, device=device, requires_grad=True)
     def fn(x): return module(x[:, -n:], x, x, **call)
     return fn, (x,)
 
 
-def make_sdpa(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
-    "PlainSDPA: the module's projections around `F.scaled_dot_product_attention`, no position term."
-    torch.manual_seed(0)
-    return _case(PlainSDPA(hidden, heads, k), n, batch, hidden, device, mem)
-
-
-def make_fast(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
-    "RelationAwareMultiHeadAttention, fast path (`relation_aware_attention`)."
-    torch.manual_seed(0)
-    return _case(RelationAwareMultiHeadAttention(hidden, heads, k), n, batch, hidden, device, mem)
-
-
-def make_key_only_sdpa(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
-    "KeyTermSDPA: what a fused kernel costs for the key term alone (not the same method: no value term)."
-    torch.manual_seed(0)
-    return _case(KeyTermSDPA(hidden, heads, k), n, batch, hidden, device, mem)
-
-
-def make_readable(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
-    "RelationAwareMultiHeadAttention, readable path (`[n, n, head_dim]` tables, weights kept)."
-    torch.manual_seed(0)
-    return _case(RelationAwareMultiHeadAttention(hidden, heads, k), n, batch, hidden, device, mem, need_weights=True)
+make_sdpa = partial(_make, PlainSDPA)                                  # baseline: same projections, no position term
+make_fast = partial(_make, RelationAwareMultiHeadAttention)            # fast path (`relation_aware_attention`)
+make_key_only_sdpa = partial(_make, KeyTermSDPA)                       # key term only, fused kernel
+make_readable = partial(_make, RelationAwareMultiHeadAttention, need_weights=True)  # readable path, `[n, n, d]` tables
 
 
 def make_seed(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
