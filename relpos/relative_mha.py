@@ -268,7 +268,7 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
                        chunk_size:Optional[int]=None,    # query rows per block (None: automatic)
                        recompute:bool=False,             # backward recomputes the softmax instead of keeping it
                       ) -> torch.Tensor:  # `[b, h, n_q, d_v]`
-    "Relative attention `softmax(qu k^T + shift(qp R^T + S)) v`, in cache-sized blocks of queries, with recomputation in backward."
+    "Relative attention `softmax(qu k^T + shift(qp R^T + S)) v`, in cache-sized blocks of queries; backward reuses the kept softmax (or recomputes it: `recompute=True`)."
     n_q, n_k = qu.shape[2], k.shape[2]
     if R.shape[-2] != n_k + n_q or S.shape[-1] != n_k + n_q:
         raise ValueError(f"R and S must hold n_k + n_q = {n_k + n_q} window rows, got R {tuple(R.shape)} and S {tuple(S.shape)}")

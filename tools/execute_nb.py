@@ -7,10 +7,11 @@ Cells flagged `#| slow` (benchmarks) are not run: they keep the outputs stored i
 `make bench`. Everything else runs in order from `nbs/`, as `nbdev_test` runs it; the first error stops the
 notebook unwritten. Run `nbdev_clean` afterwards.
 """
-import sys, time
+import re, sys, time
 from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 
 class SkipSlow(NotebookClient):
@@ -32,10 +33,8 @@ def execute(path: Path, timeout: int = 600):
 
 
 if __name__ == '__main__':
-    from nbclient.exceptions import CellExecutionError
     for p in sys.argv[1:]:
         try: execute(Path(p))
         except CellExecutionError as e:
-            import re
             sys.exit(f"{p}: " + re.sub(r'\x1b\[[0-9;]*m', '', str(e))[-3000:])
         print(f"executed {p}")
