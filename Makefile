@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 ENV_STAMP := $(VENV)/.relpos-installed
 
-.PHONY: env export check nbtest pytest test docs bench clean
+.PHONY: env export check nbtest pytest test docs bench smoke-oldest clean
 
 # torch first: a bare `torch` requirement on a fresh venv would pull a multi-GB CUDA build.
 $(ENV_STAMP): settings.ini setup.py
@@ -50,6 +50,14 @@ docs: export
 
 bench: env
 	$(BIN)/python -m bench
+
+# The oldest torch that settings.ini claims, in a venv of its own (outside `make test`: from PyPI this is a
+# CUDA build of several GB). tools/smoke.py runs every module's fast and readable paths and compares them.
+TORCH_OLDEST ?= torch==2.4.1
+smoke-oldest:
+	test -x .venv-oldest/bin/python || $(PYTHON) -m venv .venv-oldest
+	.venv-oldest/bin/python -m pip install -q "$(TORCH_OLDEST)" numpy
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) .venv-oldest/bin/python tools/smoke.py
 
 clean:
 	rm -rf _docs _proc .pytest_cache .hypothesis
