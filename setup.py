@@ -29,7 +29,7 @@ setuptools.setup(
     packages=setuptools.find_packages(include=['relpos', 'relpos.*']),
     include_package_data=True,
     install_requires=requirements,
-    extras_require={'dev': dev_requirements},
+    extras_require={'dev': dev_requirements, 'faiss': ['faiss-cpu']},  # pip install relpos[faiss]: approximate kNN search
     python_requires='>=' + min_python,
     long_description=open('README.md', encoding='utf-8').read(),
     long_description_content_type='text/markdown',
