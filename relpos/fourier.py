@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention
+from .mha import MultiHeadAttention, functorch_active, differentiable_backward
 
 # %% ../nbs/04_fourier.ipynb #33934713
 def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
@@ -98,6 +98,16 @@ class RelativeFourierPositions(nn.Module):
         return (f"num_heads={self.num_heads}, max_number_of_keys={self.max_number_of_keys}, "
                 f"position_vector_size={self.position_vector_size}, dtype={self.dtype}, fast={self.fast}")
 
+    def _apply(self, fn, recurse=True):
+        "`.to(dtype)`, `.double()`, `.cuda()`, ...: the compute dtype follows the parameter; the caches stay float32 on its device."
+        before = self.rotation_matrix.dtype
+        super()._apply(fn, recurse)
+        if self.rotation_matrix.dtype != before: self.dtype = self.rotation_matrix.dtype
+        for name in ('positions', 'distances'):  # a cache converted to another dtype: rebuilt, so that it never
+            table = getattr(self, name)          # depends on the dtype the module once had
+            if table.dtype != torch.float32: self._rebuild(name, getattr(self, name + '_lo'), table.shape[0])
+        return self
+
     # ---- caches ------------------------------------------------------------------------
     def _build_positions(self, lo:int, n:int) -> torch.Tensor:
         "meliad's float32 position vectors for positions `lo .. lo+n-1` (row k's numbers do not depend on `lo`)."
@@ -118,14 +128,25 @@ class RelativeFourierPositions(nn.Module):
         if lo < start or hi > start + table.shape[0]:
             new_lo, new_hi = min(lo, start), max(hi, start + table.shape[0])
             if new_hi - new_lo > 2 * (table.shape[0] + hi - lo): new_lo, new_hi = lo, hi  # far away: don't bridge
-            build = self._build_positions if name == 'positions' else self._build_distances
-            table = build(new_lo, new_hi - new_lo).to(self.rotation_matrix.device)
-            setattr(self, name, table); setattr(self, name + '_lo', new_lo); start = new_lo
+            table, start = self._rebuild(name, new_lo, new_hi - new_lo), new_lo
         return table[lo - start:hi - start]
+
+    def _rebuild(self, name:str, lo:int, n:int) -> torch.Tensor:
+        "Cache `name` for rows `lo .. lo+n-1`, float32 on the parameter's device, an ordinary tensor whatever the mode of the call."
+        build = self._build_positions if name == 'positions' else self._build_distances
+        # built under inference_mode it would be an inference tensor, which no later training step may save for backward
+        with torch.inference_mode(False), torch.no_grad():
+            table = build(lo, n).to(self.rotation_matrix.device)
+        setattr(self, name, table); setattr(self, name + '_lo', lo)
+        return table
 
     # ---- the two paths -----------------------------------------------------------------
     def bias_einsum(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
         "meliad's computation, step by step: rotate the query position vectors, dot them with the key ones."
+        with torch.autocast(self.rotation_matrix.device.type, enabled=False):  # `self.dtype`, not autocast's
+            return self._bias_einsum(num_queries, num_keys, offset)
+
+    def _bias_einsum(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
         ks = self._rows('positions', 0, num_keys).to(self.dtype)                     # [k, p]
         qs = self._rows('positions', offset, offset + num_queries).to(self.dtype)    # [q, p]
         qx, qy = qs.chunk(2, dim=-1)
@@ -139,6 +160,12 @@ class RelativeFourierPositions(nn.Module):
     def bias_fast(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
         "The same bias from its `num_queries + num_keys - 1` distinct values: `T[h, r] = a·cos(pi r/w) + b·sin(pi r/w)`."
         if num_queries == 0 or num_keys == 0: return self.bias_einsum(num_queries, num_keys, offset)
+        # autocast would compute the table in bf16/fp16 and accumulate the parameter's gradient over the
+        # n diagonals in that dtype; the table is small (h x (q+k-1)): compute it in `self.dtype`
+        with torch.autocast(self.rotation_matrix.device.type, enabled=False):
+            return self._bias_fast(num_queries, num_keys, offset)
+
+    def _bias_fast(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
         r_lo = -(offset + num_queries - 1)                                           # key - query, smallest
         dist = self._rows('distances', r_lo, r_lo + num_queries + num_keys - 1)      # [q+k-1, p]
         table = self.rotation_matrix.to(self.dtype) @ dist.to(self.dtype).T          # [h, q+k-1]
@@ -177,6 +204,8 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again (see relpos.mha)
+            return differentiable_backward(_sdpa_reference, ctx.saved_tensors[:4] + (ctx.scale,), grad_out)
         q, k, v, bias, out, lse = (t.contiguous() for t in ctx.saved_tensors)  # the blocks below want dense rows
         scale, grad_out = ctx.scale, grad_out.contiguous()
         batch, heads, nq, _ = q.shape
@@ -231,6 +260,11 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
         dbias = buffers[0] if len(buffers) == 1 else torch.stack(buffers).sum(0)
         return dq.mul_(scale), dk.mul_(scale), dv, dbias, None
 
+def _sdpa_reference(q, k, v, bias, scale, dropout_p=0.0):
+    "`softmax(q k^T * scale + bias) v` in ordinary differentiable ops: for higher-order gradients and `torch.func`."
+    p = (q @ k.transpose(-1, -2) * scale + bias).softmax(-1)
+    return (F.dropout(p, dropout_p) if dropout_p > 0 else p) @ v
+
 def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
               k:torch.Tensor,    # `[batch, heads, seq_k, d_k]`
               v:torch.Tensor,    # `[batch, heads, seq_k, d_v]`
@@ -240,6 +274,10 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
               blockwise:Optional[bool]=None, # None: the blockwise backward from 256x256 scores up; True/False: force
              ) -> torch.Tensor:
     "`F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)` that stays on the fused CPU kernel when `bias` requires grad."
+    if not torch.compiler.is_compiling() and functorch_active():
+        # torch.func (grad, vmap, jacrev): neither the autograd.Function below nor SDPA's fused CPU kernel (which
+        # refuses an attn_mask that a transform differentiates) runs there; ordinary ops do
+        return _sdpa_reference(q, k, v, bias, scale, dropout_p)
     use_flash = (_flash_cpu is not None and q.device.type == 'cpu' and bias.requires_grad and dropout_p == 0.0
                  and torch.is_grad_enabled() and q.dtype == k.dtype == v.dtype == bias.dtype
                  and q.dtype in (torch.float32, torch.float64) and bias.dim() == 4
@@ -274,7 +312,7 @@ class FourierMultiHeadAttention(MultiHeadAttention):
 
     def sdpa(self, query, key, value, mask, bias=None):
         "The base class's fast path, with the trainable bias kept on the fused CPU kernel (see `sdpa_bias`)."
-        if bias is None or not bias.requires_grad: return super().sdpa(query, key, value, mask, bias)
+        if bias is None or not (bias.requires_grad or functorch_active()): return super().sdpa(query, key, value, mask, bias)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
         row_ok, bias = None, bias.to(q.dtype)
         if mask is not None:

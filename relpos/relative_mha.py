@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Tuple
 import torch
 from torch import nn
-from .mha import MultiHeadAttention
+from .mha import MultiHeadAttention, functorch_active, differentiable_backward, check_chunk_size
 from .shift import shift_right
 
 # %% ../nbs/02_relative_mha.ipynb #c5f9c2e7
@@ -85,7 +85,7 @@ class RelativeMultiHeadAttention(_RelativeAttention):
         super().__init__(heads, d_model, dropout_prob, bias=False, need_weights=need_weights)
         if not (isinstance(P, int) and P >= 1): raise ValueError(f"P must be a positive int, got {P!r}")
         self.P = self.max_len = P
-        self.chunk_size = chunk_size
+        self.chunk_size = check_chunk_size(chunk_size)
         # R: a d_k vector per head for each relative distance -P ... P-1 (keys before and after the query)
         self.key_pos_embeddings = nn.Parameter(torch.zeros((P * 2, heads, self.d_k)))
         # S: a scalar per head for each relative distance
@@ -116,7 +116,7 @@ class XLRelativeMultiHeadAttention(_RelativeAttention):
                  need_weights:bool=False, chunk_size:Optional[int]=None):
         super().__init__(heads, d_model, dropout_prob, bias=False, need_weights=need_weights)
         if d_model % 2: raise ValueError(f"d_model must be even for the sinusoid encoding, got {d_model}")
-        self.chunk_size = chunk_size
+        self.chunk_size = check_chunk_size(chunk_size)
         self.d_model = d_model
         self.pos_linear = nn.Linear(d_model, heads * self.d_k, bias=False)  # W_{k,R}
         self.u = nn.Parameter(torch.zeros(heads, self.d_k))                 # content bias
@@ -211,6 +211,9 @@ class _RelativeAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         qu, k, v, qpa, Ra, mask, out, lse, probs = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again (see relpos.mha)
+            return differentiable_backward(_relative_attention_reference, (qu, k, v, qpa, Ra, mask, ctx.dropout_p,
+                                           ctx.seed, ctx.chunk_size, False), dout)
         b, h, n_q, d = qu.shape
         n_k, dp_ = k.shape[2], ctx.dropout_p
         c = _block_rows(n_k, ctx.chunk_size)
@@ -257,6 +260,32 @@ class _RelativeAttentionFn(torch.autograd.Function):
         return dqu, dkT.transpose(-1, -2), dvT.transpose(-1, -2), dqpa, dRaT.transpose(-1, -2), None, None, None, None, None
 
 # %% ../nbs/02_relative_mha.ipynb #7e1ee9d8
+def _dropout_keep(seed:int, b:int, h:int, n_q:int, n_k:int, p:float, chunk_size:Optional[int], device) -> torch.Tensor:
+    "The blocks' dropout keep-mask `[b, h, n_q, n_k]`, all at once: block by block from the same seeds."
+    keep, c = torch.empty(b, h, n_q, n_k, dtype=torch.bool, device=device), _block_rows(n_k, chunk_size)
+    for hh in range(h):
+        for bb in range(b):
+            for i0 in range(0, n_q, c):
+                i1 = min(n_q, i0 + c)
+                keep[bb, hh, i0:i1] = _keep_mask(seed, (hh * b + bb) * n_q + i0, (i1 - i0, n_k), p, device)
+    return keep
+
+def _relative_attention_reference(qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size=None, recompute=False):
+    "What the blocks compute, in ordinary differentiable ops with `[b, h, n_q, n_k]` scores: for higher-order gradients and `torch.func`."
+    b, h, n_q, _ = qu.shape
+    n_k = k.shape[2]
+    # window row of query i and key j: w = j - i + n_q; [Q, 1] . [R, S] = Q R + S
+    w = torch.arange(n_k, device=qu.device)[None, :] - torch.arange(n_q, device=qu.device)[:, None] + n_q
+    pos = torch.einsum('hbie,hwe->bhiw', qpa, Ra)                               # [b, h, n_q, n_k + n_q]
+    s = qu @ k.transpose(-1, -2) + pos.gather(-1, w.expand(b, h, n_q, n_k))
+    if mask is not None:
+        row_ok = mask.any(-1, keepdim=True)                                     # fully masked row: weights 0
+        s = s.masked_fill(~mask, float('-inf')).masked_fill(~row_ok, 0.)
+    p = s.softmax(-1)
+    if mask is not None: p = p * row_ok
+    if dropout_p > 0: p = p * _dropout_keep(seed, b, h, n_q, n_k, dropout_p, chunk_size, qu.device) / (1 - dropout_p)
+    return p @ v
+
 def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus content bias, already scaled
                        qp:torch.Tensor,   # `[b, h, n_q, d]` queries for the position term, already scaled
                        k:torch.Tensor,    # `[b, h, n_k, d]` keys
@@ -269,6 +298,7 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
                        recompute:bool=False,             # backward recomputes the softmax instead of keeping it
                       ) -> torch.Tensor:  # `[b, h, n_q, d_v]`
     "Relative attention `softmax(qu k^T + shift(qp R^T + S)) v`, in cache-sized blocks of queries; backward reuses the kept softmax (or recomputes it: `recompute=True`)."
+    check_chunk_size(chunk_size)
     n_q, n_k = qu.shape[2], k.shape[2]
     if R.shape[-2] != n_k + n_q or S.shape[-1] != n_k + n_q:
         raise ValueError(f"R and S must hold n_k + n_q = {n_k + n_q} window rows, got R {tuple(R.shape)} and S {tuple(S.shape)}")
@@ -282,6 +312,10 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
     # no backward coming (inference, no_grad): nothing to keep
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qu, k, v, qpa, Ra))
     seed = int(torch.randint(0, 2 ** 62, (1,))) if dropout_p > 0 else 0   # from the global RNG: torch.manual_seed reproduces it
+    if not torch.compiler.is_compiling() and functorch_active():
+        # torch.func (grad, vmap, jacrev) cannot run an autograd.Function without setup_context: the same
+        # numbers from ordinary ops, with [b, h, n_q, n_k] scores (the readable path's memory, not the blocks')
+        return _relative_attention_reference(qu, k, v, qpa, Ra, mask, float(dropout_p), seed, chunk_size)
     return _RelativeAttentionFn.apply(qu.contiguous(), k.contiguous(), v.contiguous(), qpa, Ra, mask,
                                       float(dropout_p), seed, chunk_size, recompute or not needs_grad)
 
@@ -330,11 +364,19 @@ class TransformerXL(nn.Module):
         return self.norm(x), new_mem
 
 # %% ../nbs/02_relative_mha.ipynb #07e97527
+def _check_int(x, name:str, minimum:int) -> int:
+    "`x` if it is an int >= `minimum` (bools refused); otherwise an error naming `name`."
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(x).__name__} {x!r}")
+    if x < minimum: raise ValueError(f"{name} must be an int >= {minimum}, got {x}")
+    return x
+
 def merge_memory(old_mem:Optional[List[torch.Tensor]], # previous memory, one `[m, batch, d_model]` per layer (or None/[])
                  new_mem:List[torch.Tensor],            # this segment's layer inputs
                  mem_len:int,                           # keep at most this many positions
                 ) -> List[torch.Tensor]:
     "Append the new hidden states to the memory and keep the last `mem_len` positions (labml's `merge_memory`)."
+    _check_int(mem_len, 'mem_len', 0)
     if mem_len == 0: return []
     mem = [torch.cat((m, x), dim=0) for m, x in zip(old_mem, new_mem)] if old_mem else new_mem
     return [m[-mem_len:].detach() for m in mem]
@@ -348,6 +390,12 @@ class TransformerXLModel(nn.Module):
                  max_seq_len:int=512,        # longest segment, used to pick the default P
                  sinusoid:bool=False):       # the paper's sinusoid positions instead of labml's learned tables
         super().__init__()
+        for name, x, lo in (('n_vocab', n_vocab, 1), ('d_model', d_model, 1), ('heads', heads, 1), ('d_ff', d_ff, 1),
+                            ('n_layers', n_layers, 1), ('mem_len', mem_len, 0), ('max_seq_len', max_seq_len, 1)):
+            _check_int(x, name, lo)
+        if P is not None: _check_int(P, 'P', 1)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
+            raise ValueError(f"dropout must be a number in [0, 1], got {dropout!r}")
         if P is None: P = 1 << (mem_len + max_seq_len - 1).bit_length()
         attn = (XLRelativeMultiHeadAttention(heads, d_model, dropout) if sinusoid
                 else RelativeMultiHeadAttention(heads, d_model, dropout, P=P))
@@ -377,6 +425,12 @@ class TransformerXLModel(nn.Module):
                 if not isinstance(m, torch.Tensor) or m.dim() != 3 or m.shape[1:] != (x.shape[1], d_model):
                     raise ValueError(f"mem[{i}] must have shape [mem_len, batch={x.shape[1]}, d_model={d_model}], "
                                      f"got {tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__}")
+                w = self.src_embed.weight
+                if m.device != w.device:
+                    raise ValueError(f"mem[{i}] is on {m.device} but the model's parameters are on {w.device}")
+                if m.dtype != w.dtype:
+                    raise TypeError(f"mem[{i}] has dtype {m.dtype} but the model's parameters have {w.dtype}: pass the memory "
+                                    f"this model returned, or convert it (mem = [m.to({w.dtype}) for m in mem])")
 
     def forward(self, x:torch.Tensor,                      # tokens `[seq_len, batch]`
                 mem:Optional[List[torch.Tensor]]=None,      # memory returned by the previous call

@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
+from .mha import functorch_active, differentiable_backward, check_chunk_size
 
 # %% ../nbs/03_shaw.ipynb #0cc63030
 def _check_length(x, name:str) -> int:
@@ -120,13 +121,25 @@ def _one_hot_strip(idx:torch.Tensor, n_buckets:int, dtype) -> torch.Tensor:
     "`[c, w, 2k+1]` one-hot of the strip's buckets: turns per-bucket sums into one batched matmul."
     return (idx[..., None] == torch.arange(n_buckets, device=idx.device)).to(dtype)
 
-def _bucket_sums(x:torch.Tensor, one_hot:torch.Tensor, lo:int, hi:int, tails:torch.Tensor) -> torch.Tensor:
-    "Per-bucket sums of `x [b, h, c, n_k]`: the strip through `one_hot`, the tails from `tails [b, h, c, 2]`."
+def _one_hot_fits(c:int, w:int, n_buckets:int, bh:int, n_k:int) -> bool:
+    "Whether the `[c, w, 2k+1]` one-hot matrix is no larger than the chunk's `[b·h, c, n_k]` scores."
+    return w * n_buckets <= bh * n_k
+
+def _bucket_sums(x:torch.Tensor,           # `[b, h, c, n_k]` values per (query, key)
+                 one_hot:Optional[torch.Tensor], # `[c, w, 2k+1]`, or None: sum with `scatter_add_` instead
+                 idx:torch.Tensor,         # `[c, w]` bucket of each strip key
+                 n_buckets:int,            # 2k+1
+                 lo:int, hi:int,           # the strip of keys `[lo, hi)`
+                 tails:torch.Tensor,       # `[b, h, c, 2]` sums over the keys left of `lo` and from `hi` on
+                ) -> torch.Tensor:         # `[b, h, c, 2k+1]`
+    "Per-bucket sums of `x`: the strip through `one_hot` (or `scatter_add_` when 2k+1 is large), the tails from `tails`."
     b, h, c, _ = x.shape
-    out = torch.zeros(b, h, c, one_hot.shape[-1], dtype=x.dtype, device=x.device)
-    if hi > lo:  # batch over query rows: [c, b*h, w] @ [c, w, 2k+1]
+    out = torch.zeros(b, h, c, n_buckets, dtype=x.dtype, device=x.device)
+    if hi > lo and one_hot is not None:  # batch over query rows: [c, b*h, w] @ [c, w, 2k+1]
         strip = x[..., lo:hi].reshape(b * h, c, hi - lo).transpose(0, 1)
-        out += torch.bmm(strip, one_hot).transpose(0, 1).reshape(b, h, c, -1)
+        out += torch.bmm(strip, one_hot).transpose(0, 1).reshape(b, h, c, n_buckets)
+    elif hi > lo:  # large 2k+1: each strip key adds into its bucket; no [c, w, 2k+1] matrix
+        out.scatter_add_(-1, idx.expand(b, h, c, hi - lo), x[..., lo:hi])
     out[..., 0] += tails[..., 0]; out[..., -1] += tails[..., 1]
     return out
 
@@ -135,18 +148,21 @@ def _chunks(n_q:int, n_k:int, bh:int, chunk_size:Optional[int]):
     "Query-row ranges; automatic size: about 2**20 scores (4 MiB in float32) per chunk, at least 32 rows."
     # measured (CPU, batch 4, 8 heads, n = 1024): 2**22 scores per chunk peak at 2x the memory of 2**20, same time;
     # below 32 rows per-chunk overhead dominates (n = 2048: 16 rows cost 1.4x the time of 32)
+    check_chunk_size(chunk_size)
     c = chunk_size or max(32, 2 ** 20 // max(1, bh * n_k))
     return [(i, min(n_q, i + c)) for i in range(0, n_q, c)]
 
 def _chunk_plan(n_q:int, n_k:int, k:int, bh:int, chunk_size:Optional[int], device, dtype):
-    "Each chunk of query rows `i0:i1`, its strip of keys `[lo, hi)`, the strip's buckets and their one-hot matrix."
+    "Each chunk of query rows `i0:i1`, its strip of keys `[lo, hi)`, the strip's buckets and their one-hot matrix (None when it would outgrow the chunk's scores)."
     one_hots = {}   # interior chunks share their strip's geometry, so most chunks reuse one matrix
     for i0, i1 in _chunks(n_q, n_k, bh, chunk_size):
         lo, hi = _strip(i0, i1, n_q, n_k, k)
         offset = i0 + n_k - n_q - lo
         idx = relative_buckets(i1 - i0, hi - lo, k, offset, device)
         geometry = (i1 - i0, hi - lo, offset)
-        if geometry not in one_hots: one_hots[geometry] = _one_hot_strip(idx, 2 * k + 1, dtype)
+        if geometry not in one_hots:
+            fits = _one_hot_fits(i1 - i0, hi - lo, 2 * k + 1, bh, n_k)
+            one_hots[geometry] = _one_hot_strip(idx, 2 * k + 1, dtype) if fits else None
         yield i0, i1, lo, hi, idx, one_hots[geometry]
 
 def _chunk_scores(q, k_aug, w_k, keep, i0, i1, idx, lo, hi):
@@ -177,7 +193,7 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
             _set_tail_columns(k_aug, d, lo, hi); _set_tail_columns(v_aug, d_v, lo, hi)
             p = torch.softmax(_chunk_scores(q, k_aug, w_k, keep, i0, i1, idx, lo, hi), -1)
             o = torch.matmul(p, v_aug)                       # [sum_j p v_j, weight of the left tail, of the right tail]
-            pbc = _bucket_sums(p, one_hot, lo, hi, o[..., d_v:])
+            pbc = _bucket_sums(p, one_hot, idx, R, lo, hi, o[..., d_v:])
             pb[:, :, i0:i1] = pbc
             out[:, :, i0:i1] = torch.baddbmm(o[..., :d_v].reshape(-1, i1 - i0, d_v), pbc.reshape(-1, i1 - i0, R),
                                              w_v.expand(b * h, R, d_v)).view(b, h, i1 - i0, d_v)
@@ -188,6 +204,8 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, w_k, w_v, keep, pb = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again (see relpos.mha)
+            return differentiable_backward(_relation_aware_reference, (q, k, v, w_k, w_v, keep, ctx.chunk_size), dout)
         b, h, n_q, d = q.shape
         n_k, d_v, R, bh = k.shape[2], v.shape[-1], w_k.shape[0], b * h
         kk = R // 2
@@ -210,7 +228,7 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
             if keep is not None:  # a masked score is the constant -1e9: nothing flows back through it
                 ds.masked_fill_(~(keep if keep.shape[2] == 1 else keep[:, :, i0:i1]), 0)
             dqa = torch.matmul(ds, k_aug)                    # [dS k, dS summed over the left tail, the right tail]
-            dsb = _bucket_sums(ds, one_hot, lo, hi, dqa[..., d:])
+            dsb = _bucket_sums(ds, one_hot, idx, R, lo, hi, dqa[..., d:])
             dq[:, :, i0:i1] = dqa[..., :d] + torch.matmul(dsb, w_k)
             dk3.baddbmm_(ds.reshape(bh, c, n_k).transpose(1, 2), qc.reshape(bh, c, d))
             dw_k.addmm_(dsb.reshape(-1, R).T, qc.reshape(-1, d))
@@ -218,6 +236,17 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
         return dq, dk, dv, dw_k, dw_v, None, None
 
 # %% ../nbs/03_shaw.ipynb #9d0ed975
+def _relation_aware_reference(q, k, v, w_k, w_v, keep, chunk_size=None):
+    "What the chunks compute (`q` already scaled), in ordinary differentiable ops with `[b, h, n_q, n_k]` scores: higher-order gradients and `torch.func`."
+    n_q, n_k, R = q.shape[-2], k.shape[-2], w_k.shape[0]
+    idx = relative_buckets(n_q, n_k, R // 2, n_k - n_q, q.device)                  # [n_q, n_k]
+    qw = q @ w_k.T                                                                 # q_i . w^K_r, [b, h, n_q, 2k+1]
+    s = q @ k.transpose(-1, -2) + qw.gather(-1, idx.expand(*qw.shape[:-1], n_k))
+    if keep is not None: s = s.masked_fill(~keep, masked_score(s.dtype))
+    p = s.softmax(-1)
+    per_bucket = torch.zeros(*p.shape[:-1], R, dtype=p.dtype, device=p.device).scatter_add(-1, idx.expand_as(p), p)
+    return p @ v + per_bucket @ w_v
+
 def relation_aware_attention(q:torch.Tensor,    # `[batch, heads, seq_q, head_dim]`
                              k:torch.Tensor,    # `[batch, heads, seq_k, head_dim]`, seq_k >= seq_q
                              v:torch.Tensor,    # `[batch, heads, seq_k, head_dim_v]`
@@ -228,10 +257,15 @@ def relation_aware_attention(q:torch.Tensor,    # `[batch, heads, seq_q, head_di
                              chunk_size:Optional[int]=None,     # query rows per chunk (None: about 2**20 scores)
                             ) -> torch.Tensor:  # `[batch, heads, seq_q, head_dim_v]`
     "Shaw et al.'s relation-aware attention without `[n, n, d]` tables: per-bucket products, query chunks, recomputation in backward."
+    check_chunk_size(chunk_size)
     dtype = q.dtype
-    return _RelationAwareAttentionFn.apply((q * scale).contiguous(), k.contiguous(), v.contiguous(),
-                                           w_k.to(dtype).contiguous(), w_v.to(dtype).contiguous(),
-                                           keep, chunk_size)
+    args = ((q * scale).contiguous(), k.contiguous(), v.contiguous(), w_k.to(dtype).contiguous(), w_v.to(dtype).contiguous(),
+            keep, chunk_size)
+    if not torch.compiler.is_compiling() and functorch_active():
+        # torch.func (grad, vmap, jacrev) cannot run an autograd.Function without setup_context: the same
+        # numbers from ordinary ops, with [b, h, n_q, n_k] scores (the readable path's memory, not the chunks')
+        return _relation_aware_reference(*args)
+    return _RelationAwareAttentionFn.apply(*args)
 
 # %% ../nbs/03_shaw.ipynb #2b878c50
 def _fuse_linears(linears) -> nn.Linear:

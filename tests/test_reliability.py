@@ -646,6 +646,70 @@ def _(mod):
 def _(mod): return raises(lambda: mod.local_score_loss([0.0, 1.0]), "local_score")
 
 
+# ================================================================ arguments of the fast paths and the XL model
+for _cls in ("RelativeMultiHeadAttention", "XLRelativeMultiHeadAttention"):
+    for _bad in (-1, 0, 2.5, True):
+        case("relative_mha", _cls, f"chunk_size={_bad!r}")(
+            lambda mod, cls=_cls, bad=_bad: raises(lambda: getattr(mod, cls)(H, D, chunk_size=bad), "chunk_size"))
+
+    @case("relative_mha", _cls, "chunk_size=-1 set after construction")
+    def _(mod, cls=_cls):
+        m, (q, kv) = getattr(mod, cls)(H, D, dropout_prob=0.0), _qkv()
+        m.chunk_size = -1
+        return raises(lambda: m(query=q, key=kv, value=kv), "chunk_size")
+
+
+@case("relative_mha", "relative_attention", "chunk_size=-1")
+def _(mod):
+    x = torch.randn(1, 2, 4, 8)
+    return raises(lambda: mod.relative_attention(x, x, x, x, torch.randn(2, 8, 8), torch.randn(2, 8), chunk_size=-1),
+                  "chunk_size")
+
+
+@case("shaw", "relation_aware_attention", "chunk_size=0 / -1")
+def _(mod):
+    x, w = torch.randn(1, 2, 4, 8), torch.randn(5, 8)
+    for bad in (0, -1):
+        raises(lambda: mod.relation_aware_attention(x, x, x, w, w, 0.5, chunk_size=bad), "chunk_size")
+    return "raises ValueError"
+
+
+@case(*S, "batch 0 (fast path, forward and backward)")
+def _(mod):
+    m = _shaw(mod)
+    q = torch.randn(0, 5, HS, requires_grad=True)
+    out = m(q, q, q)
+    if out.shape != (0, 5, HS): raise Fail(f"shape {tuple(out.shape)}")
+    out.sum().backward()
+    if q.grad.shape != q.shape: raise Fail("grad shape")
+    return "ok (empty)"
+
+
+for _name, _kw, _names in [
+    ("mem_len=-1", dict(mem_len=-1), ("mem_len",)),
+    ("mem_len=2.5", dict(mem_len=2.5), ("mem_len",)),
+    ("n_layers=0", dict(n_layers=0), ("n_layers",)),
+    ("d_ff=0", dict(d_ff=0), ("d_ff",)),
+    ("n_vocab=0", dict(n_vocab=0), ("n_vocab",)),
+    ("P=0", dict(P=0), ("P",)),
+    ("max_seq_len=0", dict(max_seq_len=0), ("max_seq_len",)),
+    ("dropout=1.5", dict(dropout=1.5), ("dropout",)),
+]:
+    case(*TXL, _name)(lambda mod, kw=_kw, names=_names: raises(
+        lambda: mod.TransformerXLModel(**{"n_vocab": VOCAB, "d_model": D, "heads": H, **kw}), *names))
+
+
+@case(*TXL, "float32 mem into a float64 model")
+def _(mod):
+    m = _txl(mod).double()
+    mem = [t.float() for t in m(_tokens())[1]]
+    return raises(lambda: m(_tokens(), mem), "mem")
+
+
+@case("relative_mha", "merge_memory", "mem_len=-1")
+def _(mod): return raises(lambda: mod.merge_memory(None, [torch.randn(3, 1, D)], -1), "mem_len")
+
+
 # ================================================================ known bugs (routed to their owners)
 _TXL_BUGS = {
     "float tokens": "RuntimeError from nn.Embedding ('Expected tensor for argument #1 indices...') instead of a "
