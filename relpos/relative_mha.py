@@ -283,7 +283,8 @@ def _relative_attention_reference(qu, k, v, qpa, Ra, mask, dropout_p, seed, chun
         s = s.masked_fill(~mask, float('-inf')).masked_fill(~row_ok, 0.)
     p = s.softmax(-1)
     if mask is not None: p = p * row_ok
-    if dropout_p > 0: p = p * _dropout_keep(seed, b, h, n_q, n_k, dropout_p, chunk_size, qu.device) / (1 - dropout_p)
+    if dropout_p > 0 and seed is None: p = torch.nn.functional.dropout(p, dropout_p)   # torch.compile: its own RNG
+    elif dropout_p > 0: p = p * _dropout_keep(seed, b, h, n_q, n_k, dropout_p, chunk_size, qu.device) / (1 - dropout_p)
     return p @ v
 
 def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus content bias, already scaled
@@ -311,8 +312,12 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
     Ra = torch.cat([R, S[..., None]], -1).contiguous()                                        # [h, n_k + n_q, d + 1]
     # no backward coming (inference, no_grad): nothing to keep
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qu, k, v, qpa, Ra))
+    if torch.compiler.is_compiling():
+        # torch.compile: the blocks (Python loops, worker threads, strided views) would break the graph; the same
+        # numbers from ordinary ops compile into one graph, at the readable path's memory ([b, h, n_q, n_k] scores)
+        return _relative_attention_reference(qu, k, v, qpa, Ra, mask, float(dropout_p), None, chunk_size)
     seed = int(torch.randint(0, 2 ** 62, (1,))) if dropout_p > 0 else 0   # from the global RNG: torch.manual_seed reproduces it
-    if not torch.compiler.is_compiling() and functorch_active():
+    if functorch_active():
         # torch.func (grad, vmap, jacrev) cannot run an autograd.Function without setup_context: the same
         # numbers from ordinary ops, with [b, h, n_q, n_k] scores (the readable path's memory, not the blocks')
         return _relative_attention_reference(qu, k, v, qpa, Ra, mask, float(dropout_p), seed, chunk_size)
@@ -415,7 +420,9 @@ class TransformerXLModel(nn.Module):
             raise TypeError(f"x (tokens) must hold integer token ids, got dtype {x.dtype}")
         if x.dim() != 2:
             raise ValueError(f"x (tokens) must have shape [seq_len, batch], got {tuple(x.shape)}")
-        if x.numel() and (int(x.min()) < 0 or int(x.max()) >= n_vocab):
+        if torch.compiler.is_compiling():  # reading the values would break the graph: checked on the device instead
+            torch._assert_async(((x >= 0) & (x < n_vocab)).all(), f"x (tokens) must be ids in [0, n_vocab={n_vocab})")
+        elif x.numel() and (int(x.min()) < 0 or int(x.max()) >= n_vocab):
             raise ValueError(f"x (tokens) must be ids in [0, n_vocab={n_vocab}), got values in [{int(x.min())}, {int(x.max())}]")
         if mem:
             n_layers = len(self.transformer.layers)

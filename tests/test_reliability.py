@@ -895,12 +895,8 @@ def test_low_precision_forward(name, dtype, tol):
 
 
 # Where torch.compile cannot capture a module in one graph, and why (the module still compiles, with graph breaks).
-NO_FULLGRAPH = {
-    "relative_mha.RelativeMultiHeadAttention": "its fast path, the autograd.Function relative_attention, calls "
-        "Tensor.storage_offset()/as_strided: dynamo graph-breaks ('torch.* op returned non-Tensor')",
-}
-NO_FULLGRAPH["relative_mha.XLRelativeMultiHeadAttention"] = NO_FULLGRAPH["relative_mha.RelativeMultiHeadAttention"]
-NO_FULLGRAPH["relative_mha.TransformerXLModel"] = NO_FULLGRAPH["relative_mha.RelativeMultiHeadAttention"]
+# (none: under torch.compile relative_attention takes its ordinary-ops reference, see relpos.relative_mha)
+NO_FULLGRAPH = {}
 
 
 @pytest.mark.parametrize("name", list(MODULES))

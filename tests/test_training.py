@@ -251,3 +251,22 @@ def test_transformer_xl_arguments():
     x = torch.randint(0, 11, (5, 2))
     _, mem = m(x)
     with pytest.raises(TypeError, match=r"mem\[0\]"): m(x, [t.float() for t in mem])
+
+
+# ------------------------------------------------------------------ 9. torch.compile
+@pytest.mark.parametrize("name", ["relative", "xl"])
+def test_compile_fullgraph_across_lengths(name):
+    "One graph (fullgraph: no graph break), at most one recompile (to dynamic shapes) over five lengths; eager's numbers and gradients."
+    from torch._dynamo.utils import counters
+    m = _randomize(MODULES[name][0]()).float()
+    torch._dynamo.reset(); counters.clear()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    for n in (6, 8, 10, 12, 14):
+        x = _input(name, n=n, dtype=torch.float32)
+        out = _call(name, compiled, x, False)
+        gx, = torch.autograd.grad(out.square().sum(), x)
+        want = _call(name, m, x, False)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(gx, torch.autograd.grad(want.square().sum(), x)[0])
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
