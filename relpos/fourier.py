@@ -7,13 +7,12 @@ __all__ = ['position_encoding', 'RelativeFourierPositions', 'sdpa_bias', 'Fourie
 
 # %% ../nbs/04_fourier.ipynb #e690aec3
 import math
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention, functorch_active, differentiable_backward
+from .mha import MultiHeadAttention, functorch_active, differentiable_backward, head_workers, run_head_groups
 
 # %% ../nbs/04_fourier.ipynb #33934713
 def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
@@ -221,12 +220,6 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
         dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
         c = max(16, 2**18 // max(1, nk))
 
-        def run(head_group, dbias):  # one worker: its heads, every batch element and query block
-            torch.set_num_threads(1)  # this thread's ops run inline (OpenMP's thread count is per thread)
-            with torch.no_grad():     # grad mode is per thread: a fresh worker has it on
-                _blocks(head_group, dbias)
-            return dbias
-
         def _blocks(head_group, dbias):
             for h in head_group:
                 hb = h if bias.shape[1] > 1 else 0
@@ -244,19 +237,11 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
         # The blocks are small: run them one thread per worker, workers over disjoint heads (no write races),
         # instead of letting every small op open an intra-op parallel region (each one a thread wake-up that
         # costs milliseconds on a busy machine).
-        workers = max(1, min(torch.get_num_threads(), heads)) if batch * heads * nq * nk >= 2**22 else 1
-        groups = [range(w, heads, workers) for w in range(workers)]
+        # (relpos.mha.head_workers: no more workers than torch's threads, the heads, or the CPUs this process may use)
+        workers = head_workers(heads, batch * heads * nq * nk)
         shared_heads = bias.shape[1] == 1 and workers > 1   # then every worker needs its own accumulator
-        buffers = [torch.zeros(bias.shape, dtype=q.dtype, device=q.device) for _ in (groups if shared_heads else [0])]
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            if workers == 1: run(groups[0], buffers[0])
-            else:
-                with ThreadPoolExecutor(workers) as pool:
-                    list(pool.map(run, groups, buffers if shared_heads else buffers * workers))
-        finally:
-            torch.set_num_threads(threads)
+        buffers = [torch.zeros(bias.shape, dtype=q.dtype, device=q.device) for _ in range(workers if shared_heads else 1)]
+        run_head_groups(workers, heads, lambda w, hs: _blocks(hs, buffers[w if shared_heads else 0]))
         dbias = buffers[0] if len(buffers) == 1 else torch.stack(buffers).sum(0)
         return dq.mul_(scale), dk.mul_(scale), dv, dbias, None
 

@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['check_sequence', 'PrepareForMultiHeadAttention', 'MultiHeadAttention', 'functorch_active', 'differentiable_backward',
-           'check_chunk_size']
+           'check_chunk_size', 'available_cpus', 'head_workers', 'run_head_groups']
 
 # %% ../nbs/01_mha.ipynb #ed119fe5
-import math
+import math, os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, List, Tuple
 import torch
 from torch import nn
@@ -210,3 +211,33 @@ def check_chunk_size(chunk_size,            # query rows per block of a fast pat
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{name} must be None (automatic) or a positive int (query rows per block), got {chunk_size!r}")
     return chunk_size
+
+# %% ../nbs/01_mha.ipynb #ec47c752
+def available_cpus() -> int:
+    "CPUs this process may run on (its affinity mask where the OS has one), at least 1."
+    try: return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError: return os.cpu_count() or 1
+
+def head_workers(heads:int,  # heads of the call; each worker owns a disjoint set of them
+                 work:int,   # scores of the call (batch x heads x queries x keys)
+                ) -> int:    # workers for `run_head_groups`
+    "Workers of a blockwise fast path: 1 below 2**22 scores, else torch's intra-op threads, capped by the heads and by `available_cpus()`."
+    if work < 2 ** 22: return 1
+    return max(1, min(torch.get_num_threads(), heads, available_cpus()))
+
+def run_head_groups(workers:int, # from `head_workers`; 1 runs in the caller's thread
+                    heads:int,   # number of heads
+                    fn,          # `fn(w, heads_of_w)`: the blocks of worker `w`, without autograd
+                   ) -> list:    # what each `fn` returned
+    "Run `fn(w, range(w, heads, workers))` for each worker, each single-threaded, in the caller's inference mode, without autograd."
+    threads, inference = torch.get_num_threads(), torch.is_inference_mode_enabled()
+    def run(w):
+        if torch.get_num_threads() != 1: torch.set_num_threads(1)  # per thread (OpenMP): this worker's ops run inline
+        with torch.inference_mode(inference), torch.no_grad():     # in this order: inference_mode(False) turns grad on
+            return fn(w, range(w, heads, workers))
+    if threads != 1: torch.set_num_threads(1)   # new threads start with the last count set
+    try:
+        if workers == 1: return [run(0)]
+        with ThreadPoolExecutor(workers) as pool: return list(pool.map(run, range(workers)))
+    finally:
+        if threads != 1: torch.set_num_threads(threads)

@@ -8,11 +8,10 @@ __all__ = ['RelativeMultiHeadAttention', 'sinusoid_positions', 'XLRelativeMultiH
 
 # %% ../nbs/02_relative_mha.ipynb #2337bae2
 import copy, math
-from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Tuple
 import torch
 from torch import nn
-from .mha import MultiHeadAttention, functorch_active, differentiable_backward, check_chunk_size
+from .mha import MultiHeadAttention, functorch_active, differentiable_backward, check_chunk_size, head_workers, run_head_groups
 from .shift import shift_right
 
 # %% ../nbs/02_relative_mha.ipynb #c5f9c2e7
@@ -156,24 +155,12 @@ def _keep_mask(seed, key, shape, p, device):
     return torch.rand(shape, generator=g, device=device) >= p
 
 def _per_head(heads:int, fn, work:int):
-    "Run `fn(h)` for every head: one single-threaded worker per intra-op thread, on disjoint heads (no write races)."
+    "Run `fn(h)` for every head: single-threaded workers on disjoint heads (no write races), see `relpos.mha.head_workers`."
     # The blocks are small: a worker runs its ops inline instead of opening an intra-op parallel region for
-    # each one (a thread wake-up per op, which costs more than the op on a busy machine). Grad and inference
-    # mode are per thread, so the workers get them from the caller.
-    threads, inference = torch.get_num_threads(), torch.is_inference_mode_enabled()
-    workers = max(1, min(threads, heads)) if work >= 2 ** 22 else 1
-    def run(group):
-        torch.set_num_threads(1)
-        with torch.inference_mode(inference), torch.no_grad():  # in this order: inference_mode(False) turns grad on
-            for h in group: fn(h)
-    groups = [range(w, heads, workers) for w in range(workers)]
-    torch.set_num_threads(1)
-    try:
-        if workers == 1: run(groups[0])
-        else:
-            with ThreadPoolExecutor(workers) as pool: list(pool.map(run, groups))
-    finally:
-        torch.set_num_threads(threads)
+    # each one (a thread wake-up per op, which costs more than the op on a busy machine).
+    def group(w, hs):
+        for h in hs: fn(h)
+    run_head_groups(head_workers(heads, work), heads, group)
 
 # %% ../nbs/02_relative_mha.ipynb #905fbcb4
 class _RelativeAttentionFn(torch.autograd.Function):
