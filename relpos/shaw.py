@@ -351,6 +351,7 @@ class RelationAwareMultiHeadAttention(nn.Module):
                 mask:Optional[torch.Tensor]=None,  # `[batch, seq_len_k]`, 0 where the key is padding (or `[batch, seq_q, seq_k]`)
                 need_weights:Optional[bool]=None,  # readable path and `self.attn` `[batch, heads, seq_q, seq_k]`
                ) -> torch.Tensor:    # `[batch, seq_len_q, hidden_size]`
+        "Check the inputs, project them into heads, attend (fast path, or the readable one when weights are wanted), project back."
         keep = self.check_inputs(query, key, value, mask)
         b, sq, _ = query.shape
         q, k, v = (lin(x).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)   # [b, heads, seq, head_dim]
