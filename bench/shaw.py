@@ -57,5 +57,5 @@ def main(ns=(128, 512, 1024, 2048), reps=3, cases=None, mem=(0,)):
     cases = {c: CASES[c] for c in (cases or CASES)}
     configs = [dict(n=n, mem=m) for n in ns for m in mem]
     return bench_table(cases, configs, baseline='sdpa', reps=reps,
-                       title='shaw: forward+backward, batch 4, 8 heads, hidden 512, k=16 (mem: extra keys before the queries)')
+                       title='shaw: forward+backward, batch 4, 8 heads, hidden 512, k=16' + (' (mem: extra keys before the queries)' if any(mem) else ''))
 

@@ -177,6 +177,7 @@ class MultiHeadAttention(nn.Module):
                 mask:Optional[torch.Tensor]=None, # bool `[seq_len_q or 1, seq_len_k, batch or 1]`, True = may attend
                 need_weights:Optional[bool]=None, # keep `self.attn`; None: use `self.need_weights`
                ) -> torch.Tensor: # `[seq_len_q, batch, d_model]`
+        "Check the inputs, project them into heads, attend (fast path, or the readable one when weights are wanted), project back."
         mask = self.check_inputs(query, key, value, mask)
         seq_len, batch_size, _ = query.shape
         query, key, value = self.query(query), self.key(key), self.value(value)

@@ -49,8 +49,8 @@ class _RelativeAttention(MultiHeadAttention):
         "labml's readable relative scores: $A + C$ by one einsum, $B' + D'$ against the table window, then `shift_right`."
         self.check_lengths(query.shape[0], key.shape[0])
         key_pos_emb, key_pos_bias = self.position_tables(query.shape[0], key.shape[0])  # R_k, S_k
-        query_pos_bias = self.content_bias()[None, None, :, :]                           # v
-        ac = torch.einsum('ibhd,jbhd->ijbh', query + query_pos_bias, key)               # Q_i K_j + v K_j
+        query_pos_bias = self.content_bias()[None, None, :, :]                           # u
+        ac = torch.einsum('ibhd,jbhd->ijbh', query + query_pos_bias, key)               # Q_i K_j + u K_j
         b = torch.einsum('ibhd,jhd->ijbh', query, key_pos_emb)                           # B'_{i,k} = Q_i R_k
         d = key_pos_bias[None, :, None, :]                                               # D'_{i,k} = S_k
         bd = shift_right(b + d)                    # (B + D)_{i,j} = (B' + D')_{i, j - i}
@@ -63,7 +63,7 @@ class _RelativeAttention(MultiHeadAttention):
         R, S = self.position_tables(n_q, n_k)
         # [seq, batch, heads, d_k] -> [batch, heads, seq, d_k], contiguous once so that no block copies again
         q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
-        qu = (q + self.content_bias()[:, None, :]) * self.scale      # (Q_i + v) / sqrt(d_k): content term
+        qu = (q + self.content_bias()[:, None, :]) * self.scale      # (Q_i + u) / sqrt(d_k): content term
         qp = q * self.scale                                          # Q_i / sqrt(d_k): position term
         m = None if mask is None else mask[..., 0].permute(2, 0, 1).unsqueeze(1)  # [b|1, 1, n_q|1, n_k]
         x = relative_attention(qu, qp, k, v, R.transpose(0, 1).contiguous(), (S * self.scale).t().contiguous(), m,
@@ -89,7 +89,7 @@ class RelativeMultiHeadAttention(_RelativeAttention):
         self.key_pos_embeddings = nn.Parameter(torch.zeros((P * 2, heads, self.d_k)))
         # S: a scalar per head for each relative distance
         self.key_pos_bias = nn.Parameter(torch.zeros((P * 2, heads)))
-        # v: the query-side bias of the content term, the same at every query position
+        # u: the query-side bias of the content term, the same at every query position
         self.query_pos_bias = nn.Parameter(torch.zeros((heads, self.d_k)))
 
     def position_tables(self, seq_len_q, seq_len_k):
@@ -143,7 +143,7 @@ def _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1, out=None):
     bd = torch.mm(qpa[hh, bb, i0:i1], Ra[hh, w0:w0 + L].T)
     # shift: s[ii, j] needs bd[ii, j + c - 1 - ii], i.e. a view with row stride L - 1 (no copy)
     shifted = bd.as_strided((c, n_k), (L - 1, 1), bd.storage_offset() + c - 1)
-    s = torch.addmm(shifted, qu[bb, hh, i0:i1], kT[bb, hh], out=out)  # content term (Q_i + v) . K_j, plus the position term
+    s = torch.addmm(shifted, qu[bb, hh, i0:i1], kT[bb, hh], out=out)  # content term (Q_i + u) . K_j, plus the position term
     if inv_mask is not None:
         m = inv_mask[bb if inv_mask.shape[0] > 1 else 0, 0]
         s.masked_fill_(m if m.shape[0] == 1 else m[i0:i1], float('-inf'))

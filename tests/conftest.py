@@ -25,14 +25,27 @@ def pytest_runtest_logreport(report):
     _RELIABILITY.append((module, case, outcome))
 
 
+REPORT = os.path.join(ROOT, ".pytest_cache", "relpos-reliability.txt")   # the full table (.pytest_cache is git-ignored)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    "A few lines: counts per outcome, then every case that failed, is xfailed/xpassed or skipped; the full table goes to REPORT."
     if not _RELIABILITY: return
     tr = terminalreporter
     tr.section("relpos reliability: bad-input matrix")
     wm = max(len(m) for m, _, _ in _RELIABILITY)
     wc = max(len(c) for _, c, _ in _RELIABILITY)
-    counts = defaultdict(int)
+    counts, modules = defaultdict(int), defaultdict(int)
+    lines = []
     for module, case, outcome in sorted(_RELIABILITY):
-        tr.write_line(f"{module:<{wm}}  {case:<{wc}}  {outcome}")
+        lines.append(f"{module:<{wm}}  {case:<{wc}}  {outcome}")
         counts[outcome.split(' (')[0]] += 1
-    tr.write_line(f"{len(_RELIABILITY)} cases: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items())))
+        modules[module] += 1
+    summary = f"{len(_RELIABILITY)} cases: " + ", ".join(f"{n} {o}" for o, n in sorted(counts.items()))
+    os.makedirs(os.path.dirname(REPORT), exist_ok=True)
+    with open(REPORT, "w") as f: f.write("\n".join(lines + ["", summary]) + "\n")
+    tr.write_line(f"{summary}, over {len(modules)} public classes and functions")
+    notable = [l for l, (_, _, o) in zip(lines, sorted(_RELIABILITY)) if o.startswith(("FAILED", "XPASS", "XFAIL", "skipped"))]
+    for l in notable[:10]: tr.write_line("  " + l)
+    if len(notable) > 10: tr.write_line(f"  ... and {len(notable) - 10} more")
+    tr.write_line(f"full table: {os.path.relpath(REPORT)}")

@@ -121,3 +121,50 @@ def test_readme_deterministic():
     if not (ROOT/'nbs'/'index.ipynb').exists(): pytest.skip('no index.ipynb')
     a, b = render_docs.readme_text(), render_docs.readme_text()
     assert a == b and a.startswith('# ') and '\n> ' in a and '---\n' not in a.split('\n\n')[0]
+
+
+def _pages(out): return sorted(out.glob('*.html'))
+
+
+def test_internal_links_resolve(site):
+    "Every `#frag` and `page.html#frag` link of the site scrolls somewhere: the fragment is an id of that page."
+    out, _ = site
+    ids = {p.name: set(re.findall(r'\bid="([^"]+)"', p.read_text())) for p in _pages(out)}
+    bad = []
+    for p in _pages(out):
+        for page, frag in re.findall(r'href="((?:[^"#:/?]+\.html)?)#([^"]*)"', p.read_text()):
+            page = page or p.name
+            if page not in ids: bad.append(f'{p.name}: {page}#{frag} (no such page)')
+            elif frag and frag not in ids[page]: bad.append(f'{p.name}: {page}#{frag}')
+    assert not bad, f'{len(bad)} links to missing ids: {bad[:8]}'
+
+
+def test_no_torch_base_docstrings(site):
+    "A method without a docstring of its own shows torch's reST (`nn.Module.forward`'s 'Should be overridden...')."
+    out, _ = site
+    for p in _pages(out):
+        text = html.unescape(p.read_text())
+        for raw in ('Should be overridden by all subclasses', '.. note::', ':class:`', ':meth:`', ':func:`'):
+            assert raw not in text, f'{p.name}: {raw!r}'
+
+
+def test_no_escaped_underscore_in_math_text(site):
+    r"Inside `\text{}` MathJax shows `\_` as a backslash and an underscore; write `\text{head_dim}`."
+    out, _ = site
+    for p in _pages(out):
+        text = html.unescape(re.sub(r'<pre[^>]*>.*?</pre>', '', p.read_text(), flags=re.S))
+        bad = re.findall(r'\\(?:text|textrm|textit|textbf|texttt|mbox)\{[^{}]*\\_[^{}]*\}', text)
+        assert not bad, f'{p.name}: {bad[:3]}'
+
+
+def test_long_pages_have_contents(site):
+    "Pages with many sections get an 'On this page' list whose links are the page's headings."
+    out, _ = site
+    for nb in NBS:
+        text = (out/(nb.stem + '.html')).read_text()
+        n_sections = len(re.findall(r'<h[23][\s>]', text))
+        toc = re.search(r'<nav class="toc".*?</nav>', text, re.S)
+        if n_sections >= 4:
+            assert toc, nb.name
+            assert len(re.findall(r'<li', toc.group(0))) == n_sections
+        else: assert not toc, nb.name

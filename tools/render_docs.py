@@ -292,6 +292,60 @@ def rewrite_links(body, pages, doc_url, outfile_map):
         body = re.sub(r'href="' + re.escape(doc_url.rstrip('/')) + r'/([^"#/?]+\.html)(#[^"]*)?"', site, body)
     return body
 
+# ---------------------------------------------------------------------------------------------- ids, links, contents
+
+def pandoc_id(text):
+    "Pandoc's (and so Quarto's) automatic identifier of a heading: lowercase, punctuation other than `_-.` removed,"
+    " spaces to `-`, everything before the first letter dropped. nbdev's doc links (`#multiheadattention.forward`) use it."
+    t = re.sub(r'[^\w\s.-]', '', html.unescape(re.sub(r'<[^>]+>', '', text)).strip().lower())
+    t = re.sub(r'^[^a-z]+', '', re.sub(r'\s+', '-', t))
+    return t or 'section'
+
+_re_heading = re.compile(r'<h([1-6])(\s[^>]*)?\bid="([^"]*)"([^>]*)>(.*?)</h\1>', re.S)
+
+def fix_heading_ids(body):
+    "Give every heading its Pandoc id (unique on the page: `-1`, `-2` ... as Pandoc does); returns (body, {old id: new},"
+    " [(level, id, heading html)]). nbconvert keeps the heading's case and punctuation (`id=\"MultiHeadAttention\"`)."
+    used, old2new, heads = {}, {}, []
+    def sub(m):
+        level, pre, old, post, inner = m.groups()
+        text = re.sub(r'<a class="anchor-link"[^>]*>.*?</a>', '', inner, flags=re.S)
+        new = base = pandoc_id(text)
+        if base in used:
+            used[base] += 1; new = f'{base}-{used[base]}'
+        used.setdefault(new, 0)
+        old2new.setdefault(old, new)
+        heads.append((int(level), new, text.strip()))
+        inner = inner.replace(f'href="#{old}"', f'href="#{new}"')
+        return f'<h{level}{pre or ""} id="{new}"{post}>{inner}</h{level}>'
+    return _re_heading.sub(sub, body), old2new, heads
+
+def page_ids(body):
+    "Every `id=\"...\"` on a page."
+    return set(re.findall(r'\bid="([^"]+)"', body))
+
+def resolve_links(body, page, ids, old2new):
+    "Point `#frag` and `page.html#frag` links of the site at ids that exist: a fragment that is not an id of its page"
+    " is looked up among the page's renamed headings, then by Pandoc id, then case-insensitively."
+    def target(pg, frag):
+        have = ids.get(pg)
+        if have is None or frag in have: return frag
+        for cand in (old2new.get(pg, {}).get(frag), pandoc_id(frag.replace('-', ' '))):
+            if cand in have: return cand
+        low = {i.lower(): i for i in have}
+        return low.get(frag.lower(), frag)
+    def sub(m):
+        pg, frag = m.group(1), m.group(2)
+        return f'href="{pg}#{target(pg or page, frag)}"'
+    return re.sub(r'href="((?:[^"#:/?]+\.html)?)#([^"]*)"', sub, body)
+
+def toc_html(heads, min_headings=4):
+    "An 'On this page' list of the h2 and h3 headings (empty for short pages)."
+    heads = [(l, i, t) for l, i, t in heads if l in (2, 3)]
+    if len(heads) < min_headings: return ''
+    items = ''.join(f'<li class="toc-h{l}"><a href="#{i}">{t}</a></li>' for l, i, t in heads)
+    return f'<nav class="toc" aria-label="On this page"><details open><summary>On this page</summary><ul>{items}</ul></details></nav>'
+
 ACTIVE = ' class="active"'
 
 MATHJAX_CONFIG = r"""<script type="text/x-mathjax-config">
@@ -327,6 +381,7 @@ PAGE = """<!DOCTYPE html>
 <h1 class="title">{title}</h1>
 {description}
 </header>
+{toc}
 {body}
 <footer>{pager}</footer>
 </main>
@@ -378,6 +433,14 @@ hr { border: 0; border-top: 1px solid var(--border); margin: 1.5rem 0; }
 .callout-warning, .callout-caution { border-left-color: #e0a800; } .callout-important { border-left-color: #d9534f; }
 .callout-tip { border-left-color: #28a745; }
 mjx-container, .MathJax_SVG_Display { overflow-x: auto; overflow-y: hidden; }
+nav.toc { font-size: 0.88rem; margin: 0 0 1.5rem; padding: 0.4rem 0.9rem; border: 1px solid var(--border); border-radius: 5px; background: #fbfcfd; }
+nav.toc summary { font-weight: 600; cursor: pointer; }
+nav.toc ul { list-style: none; margin: 0.3rem 0 0.2rem; padding: 0; columns: 2; column-gap: 2rem; }
+nav.toc li { break-inside: avoid; padding: 0.05rem 0; } nav.toc li.toc-h3 { padding-left: 1.1rem; }
+@media (min-width: 1560px) { nav.toc { position: fixed; top: 1.2rem; left: calc(250px + 1000px + 1rem); width: 270px;
+  max-height: calc(100vh - 2.4rem); overflow-y: auto; margin: 0; } nav.toc ul { columns: 1; } }
+/* code wraps instead of running off the page (Quarto's code-overflow: wrap); printed output keeps its lines and scrolls */
+.highlight pre { white-space: pre-wrap; overflow-wrap: anywhere; }
 footer { margin-top: 3rem; padding-top: 1rem; border-top: 1px solid var(--border); display: flex; justify-content: space-between; font-size: 0.9rem; }
 """
 
@@ -452,6 +515,11 @@ def build_site(out, proc=None, nbs=None, n_workers=None, quiet=False, timeout=18
         titles = {n: by_name[n]['frontmatter'].get('title') or Path(n).stem for n in order}
         if 'index.ipynb' not in by_name: titles['index.ipynb'] = site_title
         nav_names = (['index.ipynb'] if 'index.ipynb' not in by_name else []) + order
+        bodies, heads, old2new, ids = {}, {}, {}, {}
+        for n in order:   # first pass: Pandoc ids on every page, so that links between pages can be resolved
+            body = rewrite_links(by_name[n]['body'], page_of, doc_url, outfile_map)
+            bodies[n], old2new[page_of[n]], heads[n] = fix_heading_ids(body)
+            ids[page_of[n]] = page_ids(bodies[n])
         for i, n in enumerate(order):
             r = by_name[n]; fm = r['frontmatter']
             nav = '\n'.join(f'<li{ACTIVE if m == n else ""}><a href="{Path(m).stem}.html">'
@@ -459,11 +527,11 @@ def build_site(out, proc=None, nbs=None, n_workers=None, quiet=False, timeout=18
             prev_ = f'<a href="{page_of[order[i-1]]}">← {inline_md(titles[order[i-1]])}</a>' if i else '<span></span>'
             next_ = f'<a href="{page_of[order[i+1]]}">{inline_md(titles[order[i+1]])} →</a>' if i + 1 < len(order) else '<span></span>'
             desc = fm.get('description')
-            body = rewrite_links(r['body'], page_of, doc_url, outfile_map)
+            body = resolve_links(bodies[n], page_of[n], ids, old2new)
             page = PAGE.format(generator=html.escape(GENERATOR), title_text=html.escape(plain(titles[n]) + (f' – {site_title}' if n != 'index.ipynb' else '')),
                                mathjax=MATHJAX_CONFIG, site_title=html.escape(site_title), nav=nav,
                                title=inline_md(titles[n]), description=f'<p class="description">{inline_md(desc)}</p>' if desc else '',
-                               body=body, pager=prev_ + next_)
+                               toc=toc_html(heads[n]), body=body, pager=prev_ + next_)
             (tmp/page_of[n]).write_text(page)
             copy_assets(body, nbs, tmp)
         if 'index.ipynb' not in by_name:   # no home notebook yet: a plain list of the chapters
@@ -471,7 +539,7 @@ def build_site(out, proc=None, nbs=None, n_workers=None, quiet=False, timeout=18
             nav = '\n'.join(f'<li><a href="{Path(m).stem}.html">{inline_md(titles[m])}</a></li>' for m in nav_names)
             (tmp/'index.html').write_text(PAGE.format(generator=html.escape(GENERATOR), title_text=html.escape(site_title),
                 mathjax='', site_title=html.escape(site_title), nav=nav, title=html.escape(site_title),
-                description=f'<p class="description">{html.escape(settings.get("description", ""))}</p>',
+                description=f'<p class="description">{html.escape(settings.get("description", ""))}</p>', toc='',
                 body=f'<ul>{items}</ul>', pager=''))
         if out.exists(): shutil.rmtree(out)
         tmp.rename(out)
