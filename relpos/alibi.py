@@ -5,15 +5,16 @@
 # %% auto #0
 __all__ = ['alibi_slopes', 'alibi_bias', 'ALiBiMultiHeadAttention']
 
-# %% ../nbs/07_alibi.ipynb #24235172
+# %% ../nbs/07_alibi.ipynb #e2ace253
 import math
 from typing import Optional, List
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention
+from .mha import MultiHeadAttention, functorch_active
+from .rotary import is_causal_mask
 
-# %% ../nbs/07_alibi.ipynb #16309519
+# %% ../nbs/07_alibi.ipynb #1c8a0b92
 def _check_heads(heads) -> int:
     if isinstance(heads, bool) or not isinstance(heads, int):
         raise TypeError(f"heads must be an int, got {type(heads).__name__} {heads!r}")
@@ -39,7 +40,7 @@ def alibi_slopes(heads:int,                    # number of attention heads
         slopes = _power_of_2_slopes(closest) + _power_of_2_slopes(2 * closest)[0::2][:heads - closest]
     return torch.tensor(slopes, dtype=torch.float64, device=device).to(dtype)
 
-# %% ../nbs/07_alibi.ipynb #69448268
+# %% ../nbs/07_alibi.ipynb #11cd601e
 def alibi_bias(heads:int,                  # number of heads (slopes from `alibi_slopes`)
                seq_len_q:int,              # queries: query i sits at position i + seq_len_k - seq_len_q
                seq_len_k:int,              # keys: key j sits at position j
@@ -62,7 +63,9 @@ def alibi_bias(heads:int,                  # number of heads (slopes from `alibi
     if bidirectional: r = -r.abs()
     return (alibi_slopes(heads, dtype, device)[:, None, None] * r)[None]
 
-# %% ../nbs/07_alibi.ipynb #e32f4706
+# %% ../nbs/07_alibi.ipynb #ccbccca8
+_flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
+
 class ALiBiMultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) with ALiBi's fixed linear distance penalty per head."
     def __init__(self,
@@ -93,3 +96,16 @@ class ALiBiMultiHeadAttention(MultiHeadAttention):
         sq, sk = query.shape[0], key.shape[0]
         causal = torch.ones(sq, sk, dtype=torch.bool, device=self.output.weight.device).tril(sk - sq)[:, :, None, None]
         return causal if mask is None else mask & causal
+
+    def attention_fast(self, query, key, value, mask):
+        "SDPA with the bias as its float mask; causal self-attention on CPU: the flash kernel's causal mode plus the finite bias."
+        sq, sk = query.shape[0], key.shape[0]
+        if (self.bidirectional or _flash_cpu is None or query.device.type != 'cpu' or functorch_active()
+                or (self.training and self.dropout.p > 0) or not is_causal_mask(mask, sq, sk)):
+            return super().attention_fast(query, key, value, mask)
+        # `F.scaled_dot_product_attention` refuses `is_causal=True` together with an `attn_mask`; the CPU flash
+        # kernel it dispatches to takes both, skips the blocks above the diagonal and needs no -inf copy of the bias.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [batch, heads, seq, d_k]
+        x, _ = _flash_cpu(q, k, v, 0.0, True, attn_mask=self.position_bias(sq, sk).to(q.dtype), scale=self.scale)
+        x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
+        return x.permute(2, 0, 1, 3)

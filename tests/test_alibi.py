@@ -152,16 +152,40 @@ def test_fast_equals_readable_values_and_gradients(sq, extra, b, heads, bidirect
 
 
 def test_fast_path_bias_is_fixed_and_fused(monkeypatch):
-    "The fast path hands SDPA one float mask [1, heads, sq, sk] that does not require grad (fused kernel)."
+    """Bidirectional (or with a padding mask): SDPA gets one float mask [1, heads, sq, sk] that does not require grad.
+    Causal self-attention: the CPU flash kernel gets is_causal=True and the finite bias (no -inf copy)."""
+    import relpos.alibi as alibi
     seen = []
-    real = F.scaled_dot_product_attention
-    def spy(*a, **kw):
-        mk = kw.get('attn_mask'); seen.append((tuple(mk.shape), mk.dtype, mk.requires_grad)); return real(*a, **kw)
-    monkeypatch.setattr(F, 'scaled_dot_product_attention', spy)
+    real_sdpa, real_flash = F.scaled_dot_product_attention, alibi._flash_cpu
+    def spy_sdpa(*a, **kw):
+        mk = kw.get('attn_mask'); seen.append(('sdpa', tuple(mk.shape), mk.requires_grad, bool(mk.isinf().any())))
+        return real_sdpa(*a, **kw)
+    def spy_flash(q, k, v, p, is_causal, attn_mask, scale):
+        seen.append(('flash', is_causal, tuple(attn_mask.shape), attn_mask.requires_grad, bool(attn_mask.isinf().any())))
+        return real_flash(q, k, v, p, is_causal, attn_mask=attn_mask, scale=scale)
+    monkeypatch.setattr(F, 'scaled_dot_product_attention', spy_sdpa)
+    monkeypatch.setattr(alibi, '_flash_cpu', spy_flash)
     x = torch.randn(6, 3, 32, requires_grad=True)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[..., None]
     run(make(), x, x).sum().backward()
+    run(make(), x, x, causal).sum().backward()
     run(make(bidirectional=True), x, x).sum().backward()
-    assert seen == [((1, 4, 6, 6), torch.float32, False)] * 2
+    pad = torch.ones(1, 6, 1, dtype=torch.bool); pad[0, 0] = False
+    run(make(), x, x, pad).sum().backward()
+    run(make(), x[2:], x).sum().backward()                             # keys longer than queries
+    assert seen == [('flash', True, (1, 4, 6, 6), False, False)] * 2 + [('sdpa', (1, 4, 6, 6), False, False)] + \
+                   [('sdpa', (1, 4, 6, 6), False, True), ('sdpa', (1, 4, 4, 6), False, True)]
+
+
+def test_torch_func_transforms_take_the_sdpa_route():
+    m = make()
+    x = torch.randn(5, 2, 32)
+    g = torch.func.grad(lambda x: run(m, x, x).square().sum())(x)
+    xr = x.clone().requires_grad_()
+    run(m, xr, xr, need_weights=True).square().sum().backward()
+    torch.testing.assert_close(g, xr.grad, rtol=1e-5, atol=1e-6)
+    out = torch.func.vmap(lambda x: run(m, x, x))(x[None].expand(2, 5, 2, 32))
+    torch.testing.assert_close(out[1], run(m, x, x), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- gradients

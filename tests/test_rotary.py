@@ -169,6 +169,18 @@ def test_causal_mask_takes_is_causal_route(monkeypatch):
     assert calls == [(True, False), (True, False), (False, True), (False, True)]
 
 
+def test_torch_func_grad_and_vmap():
+    m = make()
+    x = torch.randn(5, 2, 32)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[..., None]
+    g = torch.func.grad(lambda x: run(m, x, x, causal).square().sum())(x)
+    xr = x.clone().requires_grad_()
+    run(m, xr, xr, causal, need_weights=True).square().sum().backward()
+    torch.testing.assert_close(g, xr.grad, rtol=1e-5, atol=1e-6)
+    out = torch.func.vmap(lambda x: run(m, x, x))(x[None].expand(2, 5, 2, 32))
+    torch.testing.assert_close(out[1], run(m, x, x), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- gradients
 @pytest.mark.parametrize("need_weights", [False, True])
 @pytest.mark.parametrize("mask_kind", [None, "causal", "padding"])
