@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['alibi_slopes', 'alibi_bias', 'ALiBiMultiHeadAttention']
 
-# %% ../nbs/07_alibi.ipynb #e2ace253
+# %% ../nbs/07_alibi.ipynb #7edb16c4
 import math
 from typing import Optional, List
 import torch
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .mha import MultiHeadAttention, functorch_active
 from .rotary import is_causal_mask
 
-# %% ../nbs/07_alibi.ipynb #1c8a0b92
+# %% ../nbs/07_alibi.ipynb #743a8d1c
 def _check_heads(heads) -> int:
     if isinstance(heads, bool) or not isinstance(heads, int):
         raise TypeError(f"heads must be an int, got {type(heads).__name__} {heads!r}")
@@ -40,7 +40,7 @@ def alibi_slopes(heads:int,                    # number of attention heads
         slopes = _power_of_2_slopes(closest) + _power_of_2_slopes(2 * closest)[0::2][:heads - closest]
     return torch.tensor(slopes, dtype=torch.float64, device=device).to(dtype)
 
-# %% ../nbs/07_alibi.ipynb #11cd601e
+# %% ../nbs/07_alibi.ipynb #f4eec008
 def alibi_bias(heads:int,                  # number of heads (slopes from `alibi_slopes`)
                seq_len_q:int,              # queries: query i sits at position i + seq_len_k - seq_len_q
                seq_len_k:int,              # keys: key j sits at position j
@@ -63,7 +63,7 @@ def alibi_bias(heads:int,                  # number of heads (slopes from `alibi
     if bidirectional: r = -r.abs()
     return (alibi_slopes(heads, dtype, device)[:, None, None] * r)[None]
 
-# %% ../nbs/07_alibi.ipynb #ccbccca8
+# %% ../nbs/07_alibi.ipynb #0711af9d
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 
 class ALiBiMultiHeadAttention(MultiHeadAttention):

@@ -6,7 +6,7 @@
 __all__ = ['rotary_inv_freq', 'rotary_angles', 'rotary_cos_sin', 'rotate_half', 'rotate_every_two', 'apply_rotary',
            'is_causal_mask', 'RotaryMultiHeadAttention']
 
-# %% ../nbs/06_rotary.ipynb #a86dd9de
+# %% ../nbs/06_rotary.ipynb #ff639bfe
 import math
 from typing import Optional, Tuple
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 import torch.nn.functional as F
 from .mha import MultiHeadAttention
 
-# %% ../nbs/06_rotary.ipynb #46370585
+# %% ../nbs/06_rotary.ipynb #a48f633b
 def _check_rotary_dim(rotary_dim, d_k:Optional[int]=None) -> int:
     "`rotary_dim` as an int: positive, even, and at most `d_k` when given; errors name the argument."
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
@@ -30,7 +30,7 @@ def _check_base(base) -> float:
         raise ValueError(f"base must be a finite number > 1 (the longest wavelength is 2*pi*base), got {base!r}")
     return float(base)
 
-# %% ../nbs/06_rotary.ipynb #8963c1e7
+# %% ../nbs/06_rotary.ipynb #8b8dea02
 def rotary_inv_freq(rotary_dim:int,          # rotated features per head; even
                     base:float=10000.0,     # wavelengths grow geometrically from 2*pi up to ~2*pi*base
                     dtype:torch.dtype=torch.float32, # float32 as in transformers' LLaMA; float64 for gradcheck
@@ -41,7 +41,7 @@ def rotary_inv_freq(rotary_dim:int,          # rotated features per head; even
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).to(dtype) / rotary_dim
     return 1.0 / (base ** exponent)
 
-# %% ../nbs/06_rotary.ipynb #89e59f0e
+# %% ../nbs/06_rotary.ipynb #42a9fbef
 def rotary_angles(positions:torch.Tensor,   # `[n]` integer (or float) positions
                   rotary_dim:int,           # rotated features per head; even
                   base:float=10000.0,
@@ -63,7 +63,7 @@ def rotary_cos_sin(angles:torch.Tensor,    # `[..., rotary_dim // 2]` from `rota
     cos, sin = expand(angles.cos()), expand(angles.sin())
     return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
-# %% ../nbs/06_rotary.ipynb #1ca7001c
+# %% ../nbs/06_rotary.ipynb #93af2185
 def rotate_half(x:torch.Tensor) -> torch.Tensor:
     "`[x1, x2] -> [-x2, x1]` on the last dim: pairs (x_d, x_{d+D/2}) turned by 90°, as in GPT-NeoX and LLaMA."
     x1, x2 = x.chunk(2, dim=-1)
@@ -88,7 +88,7 @@ def apply_rotary(x:torch.Tensor,    # `[..., d]`, e.g. queries or keys of one he
     out = rot * cos + turned * sin
     return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
 
-# %% ../nbs/06_rotary.ipynb #8c04e154
+# %% ../nbs/06_rotary.ipynb #12004e92
 def is_causal_mask(mask:Optional[torch.Tensor], seq_len_q:int, seq_len_k:int) -> bool:
     "True when `mask` (`[seq_q, seq_k, batch or 1, 1]`, as `prepare_mask` returns it) is exactly causal and `seq_q == seq_k`."
     # Empty sequences never take the causal route: the CPU flash kernel divides by the length (SIGFPE at 0).
