@@ -18,6 +18,8 @@ SPECS = {
     "fourier.FourierMultiHeadAttention": ("fourier", "FourierMultiHeadAttention",
                                           dict(heads=H, d_model=D, dropout_prob=0.0, max_number_of_keys=16,
                                                position_vector_size=8), "labml"),
+    "t5.T5MultiHeadAttention": ("t5", "T5MultiHeadAttention",
+                                dict(heads=H, d_model=D, dropout_prob=0.0, num_buckets=8, max_distance=12), "labml"),
     "relative_mha.RelativeMultiHeadAttention": ("relative_mha", "RelativeMultiHeadAttention",
                                                 dict(heads=H, d_model=D, dropout_prob=0.0), "labml"),
     "relative_mha.XLRelativeMultiHeadAttention": ("relative_mha", "XLRelativeMultiHeadAttention",
