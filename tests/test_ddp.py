@@ -22,6 +22,8 @@ SPECS = {
                                         dict(heads=H, d_model=D, dropout_prob=0.0, rotary_dim=4), "labml"),
     "alibi.ALiBiMultiHeadAttention": ("alibi", "ALiBiMultiHeadAttention", dict(heads=H, d_model=D, dropout_prob=0.0),
                                       "labml"),
+    "t5.T5MultiHeadAttention": ("t5", "T5MultiHeadAttention",
+                                dict(heads=H, d_model=D, dropout_prob=0.0, num_buckets=8, max_distance=12), "labml"),
     "relative_mha.RelativeMultiHeadAttention": ("relative_mha", "RelativeMultiHeadAttention",
                                                 dict(heads=H, d_model=D, dropout_prob=0.0), "labml"),
     "relative_mha.XLRelativeMultiHeadAttention": ("relative_mha", "XLRelativeMultiHeadAttention",

@@ -70,6 +70,8 @@ ATTN = {
     ("mha", "MultiHeadAttention"): lambda mod: mod.MultiHeadAttention(H, D, dropout_prob=0.0),
     ("fourier", "FourierMultiHeadAttention"): lambda mod: mod.FourierMultiHeadAttention(
         H, D, dropout_prob=0.0, max_number_of_keys=16, position_vector_size=8),
+    ("t5", "T5MultiHeadAttention"): lambda mod: mod.T5MultiHeadAttention(H, D, dropout_prob=0.0, num_buckets=8,
+                                                                          max_distance=12),
     ("relative_mha", "RelativeMultiHeadAttention"): lambda mod: mod.RelativeMultiHeadAttention(H, D, dropout_prob=0.0),
     ("relative_mha", "XLRelativeMultiHeadAttention"): lambda mod: mod.XLRelativeMultiHeadAttention(H, D, dropout_prob=0.0),
     ("rotary", "RotaryMultiHeadAttention"): lambda mod: mod.RotaryMultiHeadAttention(H, D, dropout_prob=0.0),
@@ -688,6 +690,90 @@ def _(mod):
 def _(mod): return raises(lambda: mod.RelativeFourierPositions(2, 16, 7), "position_vector_size")
 
 
+# ================================================================ relpos.t5
+T5_ = ("t5", "T5RelativeBias")
+
+
+@case(*T5_, "heads 0")
+def _(mod): return raises(lambda: mod.T5RelativeBias(0), "heads")
+
+
+@case(*T5_, "float heads")
+def _(mod): return raises(lambda: mod.T5RelativeBias(2.0), "heads")
+
+
+@case(*T5_, "num_buckets 0")
+def _(mod): return raises(lambda: mod.T5RelativeBias(2, num_buckets=0), "num_buckets")
+
+
+@case(*T5_, "odd num_buckets, bidirectional")
+def _(mod): return raises(lambda: mod.T5RelativeBias(2, num_buckets=33, bidirectional=True), "num_buckets")
+
+
+@case(*T5_, "num_buckets too few for two directions")
+def _(mod): return raises(lambda: mod.T5RelativeBias(2, num_buckets=2, bidirectional=True), "num_buckets")
+
+
+@case(*T5_, "max_distance 0")
+def _(mod): return raises(lambda: mod.T5RelativeBias(2, max_distance=0), "max_distance")
+
+
+@case(*T5_, "max_distance within the exact buckets")
+def _(mod): return raises(lambda: mod.T5RelativeBias(2, num_buckets=32, max_distance=16), "max_distance")
+
+
+@case(*T5_, "bidirectional not a bool")
+def _(mod): return raises(lambda: mod.T5RelativeBias(2, bidirectional="yes"), "bidirectional")
+
+
+@case(*T5_, "seq_len_k < seq_len_q, offset None")
+def _(mod): return raises(lambda: mod.T5RelativeBias(2)(5, 3), "seq_len_k", "offset")
+
+
+@case(*T5_, "negative seq_len_q")
+def _(mod): return raises(lambda: mod.T5RelativeBias(2)(-1, 3), "seq_len_q")
+
+
+@case(*T5_, "zero queries / keys")
+def _(mod):
+    r = mod.T5RelativeBias(2)
+    for nq, nk in ((0, 4), (0, 0)):
+        if r(nq, nk).shape != (1, 2, nq, nk) or r.fast(nq, nk).shape != (1, 2, nq, nk): raise Fail("shape")
+    return "ok (empty)"
+
+
+@case(*T5_, "far beyond max_distance: fast == readable")
+def _(mod):
+    r = _randomize(mod.T5RelativeBias(2, num_buckets=8, max_distance=12))
+    close(r.fast(30, 400), r(30, 400), 0.0, "fast vs readable"); finite(r(30, 400))
+    return "ok (== readable)"
+
+
+@case("t5", "relative_position_bucket", "float positions")
+def _(mod): return raises(lambda: mod.relative_position_bucket(torch.arange(3.0), True), "relative_position")
+
+
+@case("t5", "relative_position_bucket", "list positions")
+def _(mod): return raises(lambda: mod.relative_position_bucket([0, 1], True), "relative_position")
+
+
+@case("t5", "relative_position_bucket", "max_distance negative")
+def _(mod): return raises(lambda: mod.relative_position_bucket(torch.arange(3), True, 32, -5), "max_distance")
+
+
+@case("t5", "T5MultiHeadAttention", "keys far beyond max_distance")
+def _(mod):
+    m = _randomize(ATTN[("t5", "T5MultiHeadAttention")](mod))
+    q, kv = _qkv(sq=20, sk=60)        # max_distance = 12
+    causal = torch.ones(20, 60, dtype=torch.bool).tril(40)[..., None]
+    finite(_both(m, q, kv)); finite(_both(m, q, kv, mask=causal))
+    return "ok (== readable)"
+
+
+@case("t5", "T5MultiHeadAttention", "heads 0")
+def _(mod): return raises(lambda: mod.T5MultiHeadAttention(0, 8), "heads")
+
+
 # ================================================================ relpos.context_choice (batch-first)
 E = 8
 
@@ -910,6 +996,8 @@ MODULES = {
     "fourier.FourierMultiHeadAttention": ("fourier", "FourierMultiHeadAttention",
                                           dict(heads=H, d_model=D, dropout_prob=0.0, max_number_of_keys=16,
                                                position_vector_size=8), "labml"),
+    "t5.T5MultiHeadAttention": ("t5", "T5MultiHeadAttention",
+                                dict(heads=H, d_model=D, dropout_prob=0.0, num_buckets=8, max_distance=12), "labml"),
     "relative_mha.RelativeMultiHeadAttention": ("relative_mha", "RelativeMultiHeadAttention",
                                                 dict(heads=H, d_model=D, dropout_prob=0.0), "labml"),
     "relative_mha.XLRelativeMultiHeadAttention": ("relative_mha", "XLRelativeMultiHeadAttention",
