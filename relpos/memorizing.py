@@ -181,7 +181,7 @@ class KNNMemory(nn.Module):
                 s, i = scores.topk(min(k, c1 - c0), dim=-1, sorted=False)   # the chunk's best
                 i.add_(c0)
                 if best_s is not None:       # running merge: the best k of (best so far, this chunk's best)
-                    s, pos = torch.cat([best_s, s], -1).topk(k, dim=-1, sorted=False)
+                    s, pos = torch.cat([best_s, s], -1).topk(min(k, best_s.shape[-1] + s.shape[-1]), dim=-1, sorted=False)
                     i = torch.cat([best_i, i], -1).gather(-1, pos)
                 best_s, best_i = s, i
             order = best_s.sort(dim=-1, descending=True, stable=True)[1]   # best first
