@@ -217,3 +217,37 @@ def test_torch_func_refused():
     x = torch.randn(4, 2, 16)
     with pytest.raises(RuntimeError, match='torch.func'):
         torch.func.grad(lambda x: layer(query=x, key=x, value=x).sum())(x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(['add', 'add', 'reset', 'clear']), st.integers(0, 300), st.integers(0, 3)),
+                    min_size=1, max_size=6), seed=st.integers(0, 2 ** 16))
+def test_faiss_exhaustive_equals_exact(ops, seed):
+    "With nprobe = nlist the IVF search scans every cell: after any add/evict/reset sequence it must match exact search."
+    pytest.importorskip('faiss')
+    from relpos.memorizing import FaissKNNMemory
+    g = torch.Generator().manual_seed(seed)
+    approx = FaissKNNMemory(2, 2, 8, capacity=400, nlist=4, nprobe=4, train_size=50)
+    for op, n, bits in ops:
+        if op == 'add':
+            k = torch.randn(2, 2, n, 8, generator=g)
+            approx.add(k, 3 * k)
+        elif op == 'reset':
+            approx.reset(torch.tensor([bits & 1 == 1, bits & 2 == 2]))
+        else:
+            approx.clear()
+        check_against_brute_force(approx, torch.randn(2, 2, 5, 8, generator=g), 20)
+
+
+def test_faiss_refuses_and_round_trips():
+    pytest.importorskip('faiss')
+    from relpos.memorizing import FaissKNNMemory
+    with pytest.raises(TypeError, match='float32'): FaissKNNMemory(1, 1, 4, 10, dtype=torch.float64)
+    with pytest.raises(ValueError, match='nprobe'): FaissKNNMemory(1, 1, 4, 10, nprobe=0)
+    torch.manual_seed(0)
+    m = FaissKNNMemory(1, 2, 4, 100, nlist=2, nprobe=2, train_size=10)
+    k = torch.randn(1, 2, 60, 4); m.add(k, k)
+    m2 = FaissKNNMemory(1, 2, 4, 100, nlist=2, nprobe=2, train_size=10)
+    m2.load_state_dict(m.state_dict())
+    q = torch.randn(1, 2, 3, 4)
+    for a, b in zip(m.search(q, 5), m2.search(q, 5)): assert torch.equal(a, b)   # exhaustive: same answer
