@@ -1,0 +1,253 @@
+"""Tests for relpos.memorizing (chapter nbs/10_memorizing.ipynb): KNNMemory against brute-force top-k (eviction,
+partial resets, chunk merges), refused calls, state_dict round trips, modes; MemorizingAttention's gradients,
+memory handling and layouts."""
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from relpos.memorizing import KNNMemory, MemorizingAttention, knn_attention
+from relpos.relative_mha import RelativeMultiHeadAttention
+from relpos.context_choice import ContextChoiceLinear
+
+
+def brute_force(memory, queries, top_k):
+    "Reference top-k: for each (b, h) one matmul over the filled slots 0..size-1 and topk; scores too."
+    b, h, n_q, d = queries.shape
+    index = torch.zeros(b, h, n_q, top_k, dtype=torch.long)
+    valid = torch.zeros(b, h, n_q, top_k, dtype=torch.bool)
+    scores = torch.full((b, h, n_q, top_k), float('-inf'), dtype=queries.dtype)
+    for bb in range(b):
+        n = int(memory.size[bb]); k = min(n, top_k)
+        if k == 0: continue
+        s, i = (queries[bb] @ memory.keys[bb, :, :n].transpose(-1, -2)).topk(k, dim=-1)
+        index[bb, ..., :k], valid[bb, ..., :k], scores[bb, ..., :k] = i, True, s
+    return index, valid, scores
+
+
+def check_against_brute_force(memory, queries, top_k):
+    keys, values, valid = memory.search(queries, top_k)
+    _, ref_valid, ref_scores = brute_force(memory, queries, top_k)
+    assert torch.equal(valid, ref_valid)
+    # compare scores, not indices: equal scores (ties) may come back in either order
+    scores = torch.einsum('bhqd,bhqkd->bhqk', queries, keys)
+    torch.testing.assert_close(scores[valid], ref_scores[ref_valid], rtol=1e-5, atol=1e-5)
+    assert (keys[~valid] == 0).all() and (values[~valid] == 0).all()
+    # each retrieved key is stored with its own value (values = 3 * keys below)
+    torch.testing.assert_close(values, 3 * keys)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), heads=st.integers(1, 3), d=st.integers(1, 6), capacity=st.integers(1, 40),
+       chunk=st.one_of(st.none(), st.integers(1, 17)), top_k=st.integers(1, 50),
+       ops=st.lists(st.tuples(st.sampled_from(['add', 'reset', 'clear']), st.integers(0, 60), st.integers(0, 7)),
+                    min_size=1, max_size=8),
+       seed=st.integers(0, 2 ** 16))
+def test_search_equals_brute_force(batch, heads, d, capacity, chunk, top_k, ops, seed):
+    "Random add/reset/clear sequences (wrap-around, n > capacity, partial resets), any chunking: exact top-k."
+    g = torch.Generator().manual_seed(seed)
+    memory = KNNMemory(batch, heads, d, capacity, chunk_size=chunk, dtype=torch.float64)
+    for op, n, bits in ops:
+        if op == 'add':
+            k = torch.randn(batch, heads, n, d, generator=g, dtype=torch.float64)
+            memory.add(k, 3 * k)
+        elif op == 'reset':
+            memory.reset(torch.tensor([(bits >> i) & 1 == 1 for i in range(batch)]))
+        else:
+            memory.clear()
+        q = torch.randn(batch, heads, 4, d, generator=g, dtype=torch.float64)
+        check_against_brute_force(memory, q, top_k)
+
+
+def test_eviction_keeps_the_newest():
+    m = KNNMemory(1, 1, 1, capacity=5)
+    for t in range(12):   # one entry at a time: values t
+        m.add(torch.full((1, 1, 1, 1), float(t)), torch.full((1, 1, 1, 1), float(t)))
+    assert sorted(m.values.flatten().tolist()) == [7., 8., 9., 10., 11.]
+    keys, values, valid = m.search(torch.ones(1, 1, 1, 1), top_k=5)
+    assert values.flatten().tolist() == [11., 10., 9., 8., 7.] and valid.all()
+
+
+def test_large_search_crosses_blocks(monkeypatch):
+    "Blocks that split both the memories (group) and the slots (chunk) give the brute-force answer."
+    import relpos.memorizing as mz
+    monkeypatch.setattr(mz, 'SEARCH_BLOCK', 4096)
+    torch.manual_seed(0)
+    m = KNNMemory(3, 4, 16, capacity=3000)
+    k = torch.randn(3, 4, 2500, 16); m.add(k, 3 * k)
+    m.reset(torch.tensor([False, True, False])); k = torch.randn(3, 4, 700, 16); m.add(k, 3 * k)
+    check_against_brute_force(m, torch.randn(3, 4, 37, 16), 32)
+
+
+@pytest.mark.parametrize('call, match', [
+    (lambda m: m.add(torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4, 8)), 'batch=2'),
+    (lambda m: m.add(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)), 'heads=2'),
+    (lambda m: m.add(torch.randn(2, 2, 4, 7), torch.randn(2, 2, 4, 7)), 'head_dim=8'),
+    (lambda m: m.add(torch.randn(2, 2, 4, 8).half(), torch.randn(2, 2, 4, 8).half()), 'dtype'),
+    (lambda m: m.add(torch.randn(2, 2, 4, 8), torch.randn(2, 2, 3, 8)), 'same shape'),
+    (lambda m: m.add(torch.randn(2, 2, 4, 8), None), 'values'),
+    (lambda m: m.add(torch.randn(2, 2, 8), torch.randn(2, 2, 8)), 'shape'),
+    (lambda m: m.search(torch.randn(2, 2, 4, 7), 3), 'head_dim=8'),
+    (lambda m: m.search(torch.randn(2, 2, 4, 8), 0), 'top_k'),
+    (lambda m: m.search(torch.randn(2, 2, 4, 8), 2.0), 'top_k'),
+    (lambda m: m.search(torch.randn(2, 2, 4, 8), True), 'top_k'),
+    (lambda m: m.reset(torch.tensor([True])), 'batch=2'),
+    (lambda m: m.reset([True, False]), 'bool'),
+])
+def test_refused_calls_leave_contents(call, match):
+    torch.manual_seed(0)
+    m = KNNMemory(2, 2, 8, capacity=10)
+    m.add(torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8))
+    before = {n: t.clone() for n, t in m.state_dict().items()}
+    with pytest.raises((ValueError, TypeError), match=match): call(m)
+    for n, t in m.state_dict().items(): assert torch.equal(t, before[n]), n
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(capacity=0), 'capacity'), (dict(capacity=2.5), 'capacity'), (dict(heads=0), 'heads'),
+    (dict(batch_size=True), 'batch_size'), (dict(dtype=torch.int64), 'dtype'), (dict(chunk_size=0), 'chunk_size')])
+def test_bad_construction(kwargs, match):
+    args = dict(batch_size=2, heads=2, head_dim=4, capacity=8)
+    args.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        KNNMemory(args.pop('batch_size'), args.pop('heads'), args.pop('head_dim'), args.pop('capacity'), **args)
+
+
+def test_state_dict_round_trip_and_modes():
+    torch.manual_seed(0)
+    with torch.inference_mode():   # built in inference mode, still writable in training afterwards
+        m = KNNMemory(2, 3, 4, capacity=7)
+        m.add(torch.randn(2, 3, 9, 4), torch.randn(2, 3, 9, 4))
+    m.add(torch.randn(2, 3, 2, 4, requires_grad=True), torch.randn(2, 3, 2, 4))
+    assert not m.keys.requires_grad and not m.keys.is_inference()
+    m.reset(torch.tensor([False, True]))
+    m2 = KNNMemory(2, 3, 4, capacity=7)
+    m2.load_state_dict(copy.deepcopy(m.state_dict()))
+    q = torch.randn(2, 3, 5, 4)
+    for a, b in zip(m.search(q, 9), m2.search(q, 9)): assert torch.equal(a, b)
+    m.add(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4)); m2.add(*(t for t in [m.keys[:, :, :1].clone()] * 2))
+    assert m.size.tolist() == m2.size.tolist() == [7, 1]
+
+
+def test_knn_attention_empty_rows_are_zero_and_finite():
+    q = torch.randn(1, 1, 2, 3, requires_grad=True)
+    out, w = knn_attention(q, torch.zeros(1, 1, 2, 4, 3), torch.zeros(1, 1, 2, 4, 3),
+                           torch.zeros(1, 1, 2, 4, dtype=torch.bool), 1.0)
+    assert (out == 0).all() and (w == 0).all()
+    out.sum().backward(); assert q.grad.isfinite().all()
+
+
+def _mask(n_q, n_k): return (torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + n_k - n_q)[..., None]
+
+
+def _run(layer, xs, starts=None):
+    outs = []
+    for i, x in enumerate(xs):
+        outs.append(layer(query=x, key=x, value=x, mask=_mask(len(x), len(x)),
+                          start_of_document=None if starts is None else starts[i]))
+    return outs
+
+
+@pytest.mark.parametrize('gate', ['constant', 'linear'])
+@pytest.mark.parametrize('normalize', [True, False])
+def test_gradients_reach_queries_and_gate_not_memory(gate, normalize):
+    torch.manual_seed(0)
+    layer = MemorizingAttention(2, 16, 0.0, knn_capacity=50, top_k=4, gate=gate, normalize=normalize)
+    xs = [torch.randn(6, 3, 16, requires_grad=True) for _ in range(3)]
+    out = _run(layer, xs)
+    (out[-1].sum() + layer.get_loss_component()).backward()
+    gate_params = [p for p in layer.gate.parameters()]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in gate_params)
+    assert layer.local.query.linear.weight.grad.abs().sum() > 0
+    assert xs[0].grad is None or (xs[0].grad == 0).all()   # earlier segments reach the output only through memory
+    assert not any(t.requires_grad for t in layer.memory.state_dict().values())
+    # the kNN side's gradient to its queries
+    q = torch.randn(3, 2, 6, 8, requires_grad=True)
+    out_knn, _ = layer.knn_side(q, layer.memory)
+    out_knn.square().sum().backward()
+    assert q.grad.abs().sum() > 0
+
+
+def test_layer_memory_lifecycle():
+    torch.manual_seed(0)
+    layer = MemorizingAttention(2, 16, 0.0, knn_capacity=8, top_k=3, local=RelativeMultiHeadAttention(2, 16, 0.0, P=64),
+                                gate=ContextChoiceLinear(2, 16))
+    xs = [torch.randn(5, 2, 16) for _ in range(3)]
+    _run(layer, xs, starts=[torch.tensor([True, True]), torch.tensor([False, False]), torch.tensor([False, True])])
+    assert layer.memory.size.tolist() == [8, 5]    # capacity 8 for element 0; element 1 restarted at segment 3
+    saved = copy.deepcopy(layer.memory_state_dict())
+    sd = layer.state_dict()
+    fresh = MemorizingAttention(2, 16, 0.0, knn_capacity=8, top_k=3, local=RelativeMultiHeadAttention(2, 16, 0.0, P=64),
+                                gate=ContextChoiceLinear(2, 16))
+    fresh.load_state_dict(sd)                      # parameters only: loads before any forward
+    fresh.load_memory_state_dict(saved)
+    x = torch.randn(5, 2, 16)
+    torch.testing.assert_close(fresh(query=x, key=x, value=x, mask=_mask(5, 5)), layer(query=x, key=x, value=x, mask=_mask(5, 5)))
+    layer.double()                                 # the memory follows the parameters
+    assert layer.memory.dtype == torch.float64
+    with pytest.raises(ValueError, match='release_memory'):
+        layer(query=x[:, :1].double(), key=x[:, :1].double(), value=x[:, :1].double())
+    layer.release_memory()
+    layer(query=x[:, :1].double(), key=x[:, :1].double(), value=x[:, :1].double())
+    assert layer.memory.batch_size == 1
+    with pytest.raises(ValueError, match='knn_capacity'): MemorizingAttention(2, 16, knn_capacity=0)
+    with pytest.raises(ValueError, match='heads'): MemorizingAttention(4, 16, local=RelativeMultiHeadAttention(2, 16))
+    with pytest.raises(TypeError, match='bool'):
+        layer(query=x[:, :1].double(), key=x[:, :1].double(), value=x[:, :1].double(), start_of_document=torch.tensor([1]))
+
+
+def test_layer_state_independent_of_mode():
+    "Memory built under inference_mode or autocast is still the parameters' dtype and writable in training."
+    torch.manual_seed(0)
+    layer = MemorizingAttention(2, 16, 0.0, knn_capacity=20, top_k=3)
+    x = torch.randn(4, 2, 16)
+    with torch.inference_mode():
+        layer(query=x, key=x, value=x, mask=_mask(4, 4))
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        layer(query=x, key=x, value=x, mask=_mask(4, 4))
+    assert layer.memory.dtype == torch.float32 and layer.memory.size.tolist() == [8, 8]
+    y = layer(query=x.requires_grad_(), key=x, value=x, mask=_mask(4, 4))
+    y.sum().backward()
+    assert x.grad is not None and layer.memory.size.tolist() == [12, 12]
+
+
+def test_torch_func_refused():
+    layer = MemorizingAttention(2, 16, 0.0, knn_capacity=20, top_k=3)
+    x = torch.randn(4, 2, 16)
+    with pytest.raises(RuntimeError, match='torch.func'):
+        torch.func.grad(lambda x: layer(query=x, key=x, value=x).sum())(x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(['add', 'add', 'reset', 'clear']), st.integers(0, 300), st.integers(0, 3)),
+                    min_size=1, max_size=6), seed=st.integers(0, 2 ** 16))
+def test_faiss_exhaustive_equals_exact(ops, seed):
+    "With nprobe = nlist the IVF search scans every cell: after any add/evict/reset sequence it must match exact search."
+    pytest.importorskip('faiss')
+    from relpos.memorizing import FaissKNNMemory
+    g = torch.Generator().manual_seed(seed)
+    approx = FaissKNNMemory(2, 2, 8, capacity=400, nlist=4, nprobe=4, train_size=50)
+    for op, n, bits in ops:
+        if op == 'add':
+            k = torch.randn(2, 2, n, 8, generator=g)
+            approx.add(k, 3 * k)
+        elif op == 'reset':
+            approx.reset(torch.tensor([bits & 1 == 1, bits & 2 == 2]))
+        else:
+            approx.clear()
+        check_against_brute_force(approx, torch.randn(2, 2, 5, 8, generator=g), 20)
+
+
+def test_faiss_refuses_and_round_trips():
+    pytest.importorskip('faiss')
+    from relpos.memorizing import FaissKNNMemory
+    with pytest.raises(TypeError, match='float32'): FaissKNNMemory(1, 1, 4, 10, dtype=torch.float64)
+    with pytest.raises(ValueError, match='nprobe'): FaissKNNMemory(1, 1, 4, 10, nprobe=0)
+    torch.manual_seed(0)
+    m = FaissKNNMemory(1, 2, 4, 100, nlist=2, nprobe=2, train_size=10)
+    k = torch.randn(1, 2, 60, 4); m.add(k, k)
+    m2 = FaissKNNMemory(1, 2, 4, 100, nlist=2, nprobe=2, train_size=10)
+    m2.load_state_dict(m.state_dict())
+    q = torch.randn(1, 2, 3, 4)
+    for a, b in zip(m.search(q, 5), m2.search(q, 5)): assert torch.equal(a, b)   # exhaustive: same answer
