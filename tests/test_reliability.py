@@ -72,6 +72,8 @@ ATTN = {
         H, D, dropout_prob=0.0, max_number_of_keys=16, position_vector_size=8),
     ("relative_mha", "RelativeMultiHeadAttention"): lambda mod: mod.RelativeMultiHeadAttention(H, D, dropout_prob=0.0),
     ("relative_mha", "XLRelativeMultiHeadAttention"): lambda mod: mod.XLRelativeMultiHeadAttention(H, D, dropout_prob=0.0),
+    ("rotary", "RotaryMultiHeadAttention"): lambda mod: mod.RotaryMultiHeadAttention(H, D, dropout_prob=0.0),
+    ("alibi", "ALiBiMultiHeadAttention"): lambda mod: mod.ALiBiMultiHeadAttention(H, D, dropout_prob=0.0),
 }
 
 
@@ -432,6 +434,116 @@ def _(mod):
     q, kv = _qkv(sq=20, sk=40)        # max_number_of_keys = 16
     finite(_both(m, q, kv))
     return "ok (== readable)"
+
+
+# ================================================================ relpos.rotary
+R_ = ("rotary", "RotaryMultiHeadAttention")
+
+
+@case(*R_, "rotary_dim odd")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, rotary_dim=3), "rotary_dim")
+
+
+@case(*R_, "rotary_dim > d_k")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, rotary_dim=D // H + 2), "rotary_dim")
+
+
+@case(*R_, "rotary_dim float")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, rotary_dim=2.0), "rotary_dim")
+
+
+@case(*R_, "heads 0")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(0, D), "heads")
+
+
+@case(*R_, "base <= 1")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, base=0.5), "base")
+
+
+@case(*R_, "interleaved, partial rotary_dim")
+def _(mod):
+    m = _randomize(mod.RotaryMultiHeadAttention(H, D, dropout_prob=0.0, rotary_dim=2, interleaved=True))
+    q, kv = _qkv(sq=4, sk=9)
+    finite(_both(m, q, kv, torch.ones(4, 9, 1, dtype=torch.bool).tril(5)))
+    return "ok (== readable)"
+
+
+@case(*R_, "positions far beyond any training length")
+def _(mod):
+    m = _randomize(ATTN[R_](mod))
+    q, kv = _qkv(sq=2, sk=5000)
+    finite(_both(m, q, kv))
+    return "ok (no limit, == readable)"
+
+
+@case("rotary", "rotary_angles", "positions not a tensor")
+def _(mod): return raises(lambda: mod.rotary_angles([0, 1], 4), "positions")
+
+
+@case("rotary", "rotary_inv_freq", "rotary_dim odd")
+def _(mod): return raises(lambda: mod.rotary_inv_freq(5), "rotary_dim")
+
+
+@case("rotary", "apply_rotary", "cos wider than x")
+def _(mod):
+    cos, sin = mod.rotary_cos_sin(mod.rotary_angles(torch.arange(3), 8))
+    return raises(lambda: mod.apply_rotary(torch.randn(3, 4), cos, sin), "rotary_dim")
+
+
+# ================================================================ relpos.alibi
+A_ = ("alibi", "ALiBiMultiHeadAttention")
+
+
+@case(*A_, "heads 0")
+def _(mod): return raises(lambda: mod.ALiBiMultiHeadAttention(0, D), "heads")
+
+
+@case(*A_, "bidirectional, keys longer than queries, padding")
+def _(mod):
+    m = _randomize(mod.ALiBiMultiHeadAttention(H, D, dropout_prob=0.0, bidirectional=True))
+    q, kv = _qkv(sq=4, sk=9)
+    mask = torch.rand(4, 9, 3, generator=torch.Generator().manual_seed(0)) > 0.3; mask[1, :, 2] = False
+    finite(_both(m, q, kv, mask))
+    return "ok (finite, == readable)"
+
+
+@case(*A_, "long sequence (no length limit)")
+def _(mod):
+    m = _randomize(ATTN[A_](mod))
+    q, kv = _qkv(sq=2, sk=5000)
+    finite(_both(m, q, kv))
+    return "ok (no limit, == readable)"
+
+
+@case("alibi", "alibi_slopes", "heads 0")
+def _(mod): return raises(lambda: mod.alibi_slopes(0), "heads")
+
+
+@case("alibi", "alibi_slopes", "heads negative")
+def _(mod): return raises(lambda: mod.alibi_slopes(-2), "heads")
+
+
+@case("alibi", "alibi_slopes", "heads float")
+def _(mod): return raises(lambda: mod.alibi_slopes(8.0), "heads")
+
+
+@case("alibi", "alibi_slopes", "heads not a power of 2")
+def _(mod):
+    s = mod.alibi_slopes(12)
+    if s.shape != (12,) or not (s > 0).all() or len(set(s.tolist())) != 12: raise Fail(f"slopes {s.tolist()}")
+    return "ok (12 distinct slopes)"
+
+
+@case("alibi", "alibi_bias", "seq_len_q > seq_len_k")
+def _(mod): return raises(lambda: mod.alibi_bias(2, 5, 3), "seq_len_k", "seq_len_q")
+
+
+@case("alibi", "alibi_bias", "negative seq_len_q")
+def _(mod): return raises(lambda: mod.alibi_bias(2, -1, 3), "seq_len_q")
+
+
+@case("alibi", "alibi_bias", "float seq_len_k")
+def _(mod): return raises(lambda: mod.alibi_bias(2, 1, 3.0), "seq_len_k")
 
 
 # ================================================================ relpos.shift
@@ -805,6 +917,12 @@ MODULES = {
                                                 dict(heads=H, d_model=D, dropout_prob=0.0), "labml"),
     "relative_mha.XLRelativeMultiHeadAttention": ("relative_mha", "XLRelativeMultiHeadAttention",
                                                   dict(heads=H, d_model=D, dropout_prob=0.0), "labml"),
+    "rotary.RotaryMultiHeadAttention": ("rotary", "RotaryMultiHeadAttention", dict(heads=H, d_model=D, dropout_prob=0.0),
+                                        "labml"),
+    "alibi.ALiBiMultiHeadAttention": ("alibi", "ALiBiMultiHeadAttention", dict(heads=H, d_model=D, dropout_prob=0.0),
+                                      "labml"),
+    "alibi.ALiBiMultiHeadAttention(bidirectional)": ("alibi", "ALiBiMultiHeadAttention",
+                                                     dict(heads=H, d_model=D, dropout_prob=0.0, bidirectional=True), "labml"),
     "relative_mha.TransformerXLModel": ("relative_mha", "TransformerXLModel",
                                         dict(n_vocab=VOCAB, d_model=D, heads=H, d_ff=16, n_layers=2, mem_len=4,
                                              max_seq_len=6), "tokens"),

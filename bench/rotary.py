@@ -1,0 +1,58 @@
+"Benchmark for `relpos.rotary` (nbs/06_rotary.ipynb): the attention layer forward+backward against plain SDPA, without and with a causal mask."
+import torch
+import torch.nn.functional as F
+from relpos.mha import MultiHeadAttention
+from relpos.rotary import RotaryMultiHeadAttention
+from relpos.bench import bench_table
+
+
+class CausalSDPA(MultiHeadAttention):
+    "Baseline for causal cases: the same projections, then `F.scaled_dot_product_attention(is_causal=True)`."
+    def attention_fast(self, query, key, value, mask):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).permute(2, 0, 1, 3)
+
+
+def layer_case(cls, n, batch=4, heads=8, d_model=512, device='cpu', causal=False, need_weights=False, **kw):
+    "A training step of `cls` on self-attention over `x [n, batch, d_model]` (x requires grad), causal bool mask or none."
+    torch.manual_seed(0)
+    m = cls(heads, d_model, dropout_prob=0.0, **kw).to(device)
+    x = torch.randn(n, batch, d_model, device=device, requires_grad=True)
+    mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()[..., None] if causal else None
+    return (lambda x: m(query=x, key=x, value=x, mask=mask, need_weights=need_weights)), (x,)
+
+
+def make_sdpa(n, causal=False, **kw):
+    "Plain SDPA layer (no position term); causal: `is_causal=True`."
+    return layer_case(CausalSDPA if causal else MultiHeadAttention, n, **kw)
+
+
+def make_rotary(n, causal=False, **kw):
+    "`RotaryMultiHeadAttention` as shipped (halves layout, all d_k features rotated)."
+    return layer_case(RotaryMultiHeadAttention, n, causal=causal, **kw)
+
+
+def make_rotary_interleaved(n, causal=False, **kw):
+    "Interleaved pairs (RoFormer/GPT-J layout)."
+    return layer_case(RotaryMultiHeadAttention, n, causal=causal, interleaved=True, **kw)
+
+
+def make_rotary_readable(n, causal=False, **kw):
+    "The readable path (`need_weights=True`): explicit scores and softmax."
+    return layer_case(RotaryMultiHeadAttention, n, causal=causal, need_weights=True, **kw)
+
+
+def main(sizes=(512, 2048), reps=5, readable_up_to=512):
+    out = []
+    for causal in (False, True):
+        cases = {'sdpa': 'bench.rotary:make_sdpa', 'rotary': 'bench.rotary:make_rotary',
+                 'rotary interleaved': 'bench.rotary:make_rotary_interleaved'}
+        configs = [dict(n=n, causal=causal) for n in sizes]
+        out.append(bench_table(cases, configs, baseline='sdpa', reps=reps,
+                               title=f"Attention layer, batch 4, 8 heads, d_model 512, dropout 0, "
+                                     f"{'causal mask (baseline: is_causal=True)' if causal else 'no mask'}"))
+    small = [dict(n=n, causal=True) for n in sizes if n <= readable_up_to]
+    if small:
+        out.append(bench_table({'sdpa': 'bench.rotary:make_sdpa', 'rotary readable': 'bench.rotary:make_rotary_readable'},
+                               small, baseline='sdpa', reps=reps, title='Readable path (need_weights=True), causal'))
+    return '\n\n'.join(out)

@@ -1,0 +1,315 @@
+"Tests of `relpos.rotary` that would clutter the chapter: transformers parity, fast == readable (hypothesis), gradcheck, compile, bf16, state, errors."
+import copy, io, math, pickle
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from relpos.mha import MultiHeadAttention
+from relpos.rotary import (rotary_inv_freq, rotary_angles, rotary_cos_sin, rotate_half, rotate_every_two,
+                           apply_rotary, is_causal_mask, RotaryMultiHeadAttention)
+
+try:
+    import transformers
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb as llama_apply
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_apply
+    from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions, apply_rotary_pos_emb as gptj_apply
+    NO_HF = None
+except ImportError as e:
+    NO_HF = f"transformers (the dev-only reference for rotary) cannot be imported: {e}"
+needs_hf = pytest.mark.skipif(NO_HF is not None, reason=NO_HF or "")
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def make(heads=4, d_model=32, seed=0, **kw):
+    torch.manual_seed(seed)
+    m = RotaryMultiHeadAttention(heads, d_model, dropout_prob=kw.pop('dropout_prob', 0.0), **kw)
+    return m.eval()
+
+
+def run(m, q, kv, mask=None, **kw):
+    return m(query=q, key=kv, value=kv, mask=mask, **kw)
+
+
+def hf_layer(m, x, kv):
+    """The layer computed the transformers way: [b, h, n, d] tensors, LLaMA's rotary embedding (or GPT-NeoX's
+    partial one) with position ids = absolute positions, explicit softmax."""
+    h, dk, rd = m.heads, m.d_k, m.rotary_dim
+    sq, sk, b = x.shape[0], kv.shape[0], x.shape[1]
+    q = m.query.linear(x).view(sq, b, h, dk).permute(1, 2, 0, 3)
+    k = m.key.linear(kv).view(sk, b, h, dk).permute(1, 2, 0, 3)
+    v = m.value.linear(kv).view(sk, b, h, dk).permute(1, 2, 0, 3)
+    cfg = LlamaConfig(hidden_size=h * rd, num_attention_heads=h, head_dim=rd, rope_theta=m.base)
+    emb = LlamaRotaryEmbedding(cfg)
+    cos_k, sin_k = emb(k, torch.arange(sk)[None].expand(b, sk))
+    cos_q, sin_q = emb(q, torch.arange(sk - sq, sk)[None].expand(b, sq))
+    if rd == dk:
+        q, _ = llama_apply(q, q, cos_q, sin_q); k, _ = llama_apply(k, k, cos_k, sin_k)
+    else:
+        q, _ = neox_apply(q, q, cos_q, sin_q); k, _ = neox_apply(k, k, cos_k, sin_k)
+    w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(dk), -1)
+    out = (w @ v).permute(2, 0, 1, 3).reshape(sq, b, h * dk)
+    return m.output(out)
+
+
+# ---------------------------------------------------------------- parity with transformers
+@needs_hf
+@pytest.mark.parametrize("heads, d_model, rotary_dim", [(4, 32, None), (3, 48, None), (6, 48, 4), (5, 40, 8)])
+@pytest.mark.parametrize("sq, sk", [(7, 7), (4, 11), (1, 9)])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_layer_matches_transformers(heads, d_model, rotary_dim, sq, sk, need_weights):
+    m = make(heads, d_model, rotary_dim=rotary_dim)
+    g = torch.Generator().manual_seed(1)
+    x, kv = torch.randn(sq, 2, d_model, generator=g), torch.randn(sk, 2, d_model, generator=g)
+    with torch.no_grad():
+        assert rel_err(run(m, x, kv, need_weights=need_weights), hf_layer(m, x, kv)) <= 1e-6
+
+
+@needs_hf
+@pytest.mark.parametrize("dim, base, start", [(64, 10000.0, 0), (16, 500000.0, 1000), (128, 10000.0, 4000)])
+def test_cos_sin_bit_identical_to_llama(dim, base, start):
+    cfg = LlamaConfig(hidden_size=dim * 2, num_attention_heads=2, head_dim=dim, rope_theta=base)
+    x = torch.zeros(1, 2, 5, dim)
+    hc, hs = LlamaRotaryEmbedding(cfg)(x, torch.arange(start, start + 5)[None])
+    c, s = rotary_cos_sin(rotary_angles(torch.arange(start, start + 5), dim, base))
+    assert torch.equal(c, hc[0]) and torch.equal(s, hs[0])
+
+
+@needs_hf
+@pytest.mark.parametrize("rd", [8, 16, 32])
+def test_interleaved_matches_gptj(rd):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 9, 3, 32, generator=g)                          # GPT-J: [b, n, h, d]
+    pos = torch.arange(3, 12)
+    table = create_sinusoidal_positions(12, rd)[pos]
+    ref = torch.cat([gptj_apply(q[..., :rd], table[None, :, :rd // 2], table[None, :, rd // 2:]), q[..., rd:]], -1)
+    c, s = rotary_cos_sin(rotary_angles(pos, rd), interleaved=True)
+    assert rel_err(apply_rotary(q, c[:, None], s[:, None], interleaved=True), ref) <= 1e-6
+
+
+@needs_hf
+def test_bf16_rotation_matches_llama_in_bf16():
+    "transformers casts cos/sin to the query's dtype and rotates in it; so does relpos."
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 6, 16, generator=g).bfloat16()
+    cfg = LlamaConfig(hidden_size=32, num_attention_heads=2, head_dim=16)
+    hc, hs = LlamaRotaryEmbedding(cfg)(q, torch.arange(6)[None])
+    ref, _ = llama_apply(q, q, hc, hs)
+    c, s = rotary_cos_sin(rotary_angles(torch.arange(6), 16), dtype=torch.bfloat16)
+    assert torch.equal(apply_rotary(q, c, s), ref)
+
+
+# ---------------------------------------------------------------- the relative property
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 10), shift=st.integers(0, 3000), interleaved=st.booleans(),
+       rd=st.sampled_from([2, 4, 8]), seed=st.integers(0, 2**16))
+def test_scores_depend_on_relative_distance_only(n, shift, interleaved, rd, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(n, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    def scores(start):
+        c, s = rotary_cos_sin(rotary_angles(torch.arange(start, start + n), rd, dtype=torch.float64), interleaved)
+        return apply_rotary(q, c, s, interleaved) @ apply_rotary(k, c, s, interleaved).T
+    torch.testing.assert_close(scores(shift), scores(0), rtol=1e-9, atol=1e-9)
+
+
+def test_layer_memory_equals_suffix_of_full_sequence():
+    "Queries = the last 4 of 10 tokens, keys = all 10: the same outputs as rows 6.. of the full self-attention (causal)."
+    m = make()
+    x = torch.randn(10, 2, 32)
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()[..., None]
+    full = run(m, x, x, causal)
+    part = run(m, x[6:], x, causal[6:])
+    torch.testing.assert_close(part, full[6:], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- fast path == readable path
+@settings(max_examples=30, deadline=None)
+@given(sq=st.integers(0, 6), extra=st.integers(0, 4), b=st.integers(1, 3), heads=st.sampled_from([1, 2, 4]),
+       rd_frac=st.sampled_from([1, 2]), interleaved=st.booleans(),
+       mask_kind=st.sampled_from([None, "full", "q1", "b1", "causal"]), p_mask=st.floats(0, 1),
+       seed=st.integers(0, 2**16))
+def test_fast_equals_readable_values_and_gradients(sq, extra, b, heads, rd_frac, interleaved, mask_kind, p_mask, seed):
+    d_model = 8 * heads
+    m = make(heads, d_model, seed=seed, rotary_dim=8 // rd_frac, interleaved=interleaved)
+    sk = sq + (0 if mask_kind == "causal" else extra)
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(sq, b, d_model, generator=g), torch.randn(sk, b, d_model, generator=g)
+    mask = torch.rand(sq, sk, b, generator=g) >= p_mask
+    mask = {None: None, "full": mask, "q1": mask[:1], "b1": mask[..., :1],
+            "causal": torch.ones(sq, sk, dtype=torch.bool).tril()[..., None]}[mask_kind]
+    go = torch.randn(sq, b, d_model, generator=g)
+    res = []
+    for need_weights in (False, True):
+        qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out = run(m, qq, kk, mask, need_weights=need_weights)
+        grads = torch.autograd.grad((out * go).sum(), [qq, kk, *m.parameters()], allow_unused=True)
+        res.append([out, *[torch.zeros(()) if gr is None else gr for gr in grads]])
+    assert res[0][0].isfinite().all()
+    for a, r in zip(*res): torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask_takes_is_causal_route(monkeypatch):
+    "An exactly causal bool mask reaches SDPA as is_causal=True (no mask tensor); any other mask as a mask."
+    calls = []
+    real = F.scaled_dot_product_attention
+    def spy(*a, **kw):
+        calls.append((kw.get('is_causal', False), kw.get('attn_mask') is not None)); return real(*a, **kw)
+    monkeypatch.setattr(F, 'scaled_dot_product_attention', spy)
+    m = make()
+    x = torch.randn(6, 2, 32)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[..., None]
+    run(m, x, x, causal); run(m, x, x, causal.expand(6, 6, 2).clone())
+    not_causal = causal.clone(); not_causal[3, 0] = False
+    run(m, x, x, not_causal); run(m, x[2:], x, causal[2:])
+    assert calls == [(True, False), (True, False), (False, True), (False, True)]
+
+
+# ---------------------------------------------------------------- gradients
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("mask_kind", [None, "causal", "padding"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gradcheck_float64(need_weights, mask_kind, interleaved):
+    m = make(2, 8, rotary_dim=2, interleaved=interleaved).double()
+    g = torch.Generator().manual_seed(0)
+    sk = 4 if mask_kind == "causal" else 5
+    q = torch.randn(4, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(sk, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = {None: None, "causal": torch.ones(4, 4, dtype=torch.bool).tril()[..., None],
+            "padding": torch.rand(4, sk, 2, generator=g) > 0.3}[mask_kind]
+    if mask_kind == "padding": mask[1, :, 0] = False
+    assert torch.autograd.gradcheck(lambda q, kv: run(m, q, kv, mask, need_weights=need_weights), (q, kv))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gradcheck_apply_rotary(interleaved):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    c, s = rotary_cos_sin(rotary_angles(torch.arange(5), 6, dtype=torch.float64)[:, None], interleaved)
+    assert torch.autograd.gradcheck(lambda x: apply_rotary(x, c, s, interleaved), (x,))
+    assert torch.autograd.gradgradcheck(lambda x: apply_rotary(x, c, s, interleaved), (x,))
+
+
+def test_higher_order_gradients_on_readable_path():
+    m = make(2, 8).double()
+    q = torch.randn(3, 1, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda q: run(m, q, q, need_weights=True), (q,))
+
+
+# ---------------------------------------------------------------- compile, dtypes, modes
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_compile_aot_eager_fullgraph(need_weights, causal):
+    m = make()
+    x = torch.randn(6, 2, 32)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[..., None] if causal else None
+    cm = torch.compile(m, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(run(cm, x, x, mask, need_weights=need_weights), run(m, x, x, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_compile_inductor_forward_backward():
+    m = make()
+    x, mem = torch.randn(5, 2, 32), torch.randn(8, 2, 32)
+    out_c = run(torch.compile(m, fullgraph=True), x, mem)
+    out_c.sum().backward()
+    g_c = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    out = run(m, x, mem)
+    out.sum().backward()
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_c, (p.grad for p in m.parameters())): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_bf16_module(need_weights):
+    m = make()
+    x, mem = torch.randn(5, 2, 32), torch.randn(8, 2, 32)
+    ref = run(m, x, mem)
+    low = copy.deepcopy(m).bfloat16()
+    out = run(low, x.bfloat16(), mem.bfloat16(), need_weights=need_weights)
+    assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) <= 3e-2
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all() for p in low.parameters())
+
+
+def test_autocast_bf16():
+    m = make()
+    x = torch.randn(6, 2, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(m, x, x)
+    assert out.dtype == torch.bfloat16 and rel_err(out.float(), run(m, x, x)) <= 3e-2
+
+
+def test_float64_matches_float32():
+    m = make()
+    x = torch.randn(6, 2, 32)
+    torch.testing.assert_close(run(copy.deepcopy(m).double(), x.double(), x.double()).float(), run(m, x, x),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_no_state_from_the_mode_it_ran_in():
+    "No cache: a call under inference_mode / no_grad / bf16 autocast leaves nothing that changes a later call."
+    m = make()
+    x = torch.randn(7, 2, 32)
+    before = run(m, x, x)
+    with torch.inference_mode(): run(m, x, x)
+    with torch.no_grad(): run(m, x[:3], x)
+    with torch.autocast("cpu", dtype=torch.bfloat16): run(m, x, x)
+    after = run(m, x, x)
+    assert torch.equal(before, after) and after.requires_grad
+    assert list(m.buffers()) == []
+
+
+def test_long_sequence_no_limit():
+    m = make(2, 16)
+    x = torch.randn(3000, 1, 16)
+    assert run(m, x[-2:], x).isfinite().all()
+
+
+# ---------------------------------------------------------------- state
+def test_state_dict_is_plain_mha_and_round_trips():
+    m, plain = make(), MultiHeadAttention(4, 32)
+    assert list(m.state_dict()) == list(plain.state_dict())
+    other = make(seed=3)
+    other.load_state_dict(m.state_dict())
+    x = torch.randn(5, 2, 32)
+    assert torch.equal(run(other, x, x), run(m, x, x))
+    buf = io.BytesIO(); torch.save(m.state_dict(), buf); buf.seek(0)
+    other.load_state_dict(torch.load(buf))
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert torch.equal(run(c, x, x), run(m, x, x))
+
+
+def test_dropout_training_path_runs():
+    m = make(dropout_prob=0.5).train()
+    x = torch.randn(6, 2, 32)
+    run(m, x, x).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+# ---------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: RotaryMultiHeadAttention(4, 32, rotary_dim=3), ValueError, "rotary_dim must be a positive even int"),
+    (lambda: RotaryMultiHeadAttention(4, 32, rotary_dim=0), ValueError, "rotary_dim must be a positive even int"),
+    (lambda: RotaryMultiHeadAttention(4, 32, rotary_dim=10), ValueError, r"rotary_dim must be <= d_k = d_model // heads = 8, got 10"),
+    (lambda: RotaryMultiHeadAttention(4, 32, rotary_dim=4.0), TypeError, "rotary_dim must be an int"),
+    (lambda: RotaryMultiHeadAttention(4, 32, base=1), ValueError, "base must be"),
+    (lambda: RotaryMultiHeadAttention(4, 32, base=float('inf')), ValueError, "base must be"),
+    (lambda: RotaryMultiHeadAttention(0, 32), ValueError, "heads"),
+    (lambda: RotaryMultiHeadAttention(-1, 32), ValueError, "heads"),
+    (lambda: RotaryMultiHeadAttention(4, 30), ValueError, "d_model"),
+    (lambda: rotary_inv_freq(5), ValueError, "rotary_dim"),
+    (lambda: rotary_angles([0, 1, 2], 8), TypeError, "positions"),
+    (lambda: apply_rotary(torch.randn(3, 4), *rotary_cos_sin(rotary_angles(torch.arange(3), 8))), ValueError, "rotary_dim=8"),
+])
+def test_bad_arguments(call, exc, match):
+    with pytest.raises(exc, match=match): call()
+
+
+def test_queries_longer_than_keys_refused():
+    with pytest.raises(ValueError, match="key must be at least as long as query"):
+        run(make(), torch.randn(5, 1, 32), torch.randn(3, 1, 32))
