@@ -193,6 +193,9 @@ def main(argv=None):
     ap.add_argument('--workers', type=int, default=2)
     ap.add_argument('--methods', nargs='*', default=None, help='default: every entry of relpos.models.POSITIONS')
     ap.add_argument('--out', default=None, help='default: nbs/data/study.json (smoke: print only)')
+    ap.add_argument('--no-variants', action='store_true', help='only the methods, not Transformer-XL with memory')
+    ap.add_argument('--append', action='store_true',
+                    help='add these runs to the results file as a new batch (timings compare within a batch)')
     a = ap.parse_args(argv)
     from relpos.models import POSITIONS
     methods = a.methods or list(POSITIONS)
@@ -200,18 +203,24 @@ def main(argv=None):
         runs = study_runs(methods[:2], range(1), steps=4, eval_every=2, n_eval=4, eval_windows=(128, 256),
                           d_model=32, n_layers=1, data_scale=0.05)
     else:
-        variants = {'xl+memory': dict(method='xl', mem_len=128)}
+        variants = {} if a.no_variants else {'xl+memory': dict(method='xl', mem_len=128)}
         runs = study_runs(methods, range(a.seeds), variants, steps=a.steps)
+    path = Path(a.out or Path(__file__).resolve().parents[1] / 'nbs' / 'data' / 'study.json')
+    old = json.loads(path.read_text()) if a.append and path.exists() else {'batches': [], 'results': []}
     t0 = time.time()
     results = run_study(runs, workers=a.workers)
-    out = {'recipe': data_recipe(), 'wall_seconds': time.time() - t0, 'torch': torch.__version__,
-           'argv': sys.argv[1:], 'results': results}
+    batch = len(old['batches'])
+    for r in results: r['batch'] = batch
+    out = {'recipe': data_recipe(), 'torch': torch.__version__,
+           'batches': old['batches'] + [{'argv': sys.argv[1:] if argv is None else argv,
+                                         'wall_seconds': time.time() - t0, 'runs': len(results)}],
+           'results': old['results'] + results}
+    if old['batches'] and old.get('recipe') != out['recipe']: sys.exit('--append: the data recipe changed; start anew')
     failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for r in results if 'error' in r]
     if a.out or not a.smoke:
-        path = Path(a.out or Path(__file__).resolve().parents[1] / 'nbs' / 'data' / 'study.json')
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))
-        print(f"wrote {path} ({len(results)} runs, {out['wall_seconds']:.0f} s)")
+        print(f"wrote {path} (batch {batch}: {len(results)} runs, {out['batches'][-1]['wall_seconds']:.0f} s)")
     else:
         for r in results: print(r['label'], r['seed'], r.get('bpb', r.get('error')))
     if failed: sys.exit("failed runs:\n" + '\n'.join(failed))

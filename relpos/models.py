@@ -16,6 +16,8 @@ from .mha import MultiHeadAttention
 from .relative_mha import RelativeMultiHeadAttention, XLRelativeMultiHeadAttention, FeedForward, TransformerXLModel
 from .shaw import RelationAwareMultiHeadAttention
 from .fourier import FourierMultiHeadAttention
+from .rotary import RotaryMultiHeadAttention
+from .alibi import ALiBiMultiHeadAttention
 
 # %% ../nbs/09_models.ipynb #396f09e8
 def _check_int(x, name:str, minimum:int) -> int:
@@ -102,6 +104,8 @@ POSITION_BUILDERS: Dict[str, Callable] = {
     'xl_paper': labml_position(XLRelativeMultiHeadAttention), # Transformer-XL as in the paper: sinusoid R, u, v
     'shaw': _shaw,
     'fourier': _fourier,
+    'rotary': labml_position(RotaryMultiHeadAttention),   # rotate queries and keys by position (RoFormer, LLaMA)
+    'alibi': labml_position(ALiBiMultiHeadAttention),     # a fixed linear penalty per head on the distance (Press et al.)
 }
 POSITIONS = tuple(POSITION_BUILDERS)
 
