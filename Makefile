@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 ENV_STAMP := $(VENV)/.relpos-installed
 
-.PHONY: env export check nbtest pytest test docs bench smoke-oldest clean
+.PHONY: env export check nbtest pytest test docs bench study smoke-oldest clean
 
 # torch first: a bare `torch` requirement on a fresh venv would pull a multi-GB CUDA build.
 $(ENV_STAMP): settings.ini setup.py
@@ -50,6 +50,12 @@ docs: export
 
 bench: env
 	$(BIN)/python -m bench
+
+# The chapter "Which method?": execute it with its slow cells, which train every position method (bench/study.py,
+# results in nbs/data/study.json), so that its tables and pictures come from that run.
+STUDY_NB := nbs/11_which_method.ipynb
+study: env
+	$(BIN)/python tools/execute_nb.py --with-slow $(STUDY_NB) && $(BIN)/nbdev_clean --fname $(STUDY_NB)
 
 # The oldest torch that settings.ini claims, in a venv of its own (outside `make test`: from PyPI this is a
 # CUDA build of several GB). tools/smoke.py runs every module's fast and readable paths and compares them.

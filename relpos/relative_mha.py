@@ -378,8 +378,8 @@ class TransformerXLModel(nn.Module):
     def __init__(self, n_vocab:int, d_model:int=128, heads:int=4, d_ff:int=256, n_layers:int=6,
                  mem_len:int=128,            # memory kept per layer (0: no memory)
                  dropout:float=0.0,
-                 P:Optional[int]=None,       # table size of learned positions (default: the smallest power of 2 >= 2 * (mem_len + segment))
-                 max_seq_len:int=512,        # longest segment, used to pick the default P
+                 P:Optional[int]=None,       # keys (memory + segment) the learned tables cover; default: labml_nn's 4096, more if mem_len + max_seq_len needs it
+                 max_seq_len:int=512,        # longest training segment; the default P covers at least mem_len + max_seq_len
                  sinusoid:bool=False):       # the paper's sinusoid positions instead of labml's learned tables
         super().__init__()
         for name, x, lo in (('n_vocab', n_vocab, 1), ('d_model', d_model, 1), ('heads', heads, 1), ('d_ff', d_ff, 1),
@@ -388,7 +388,9 @@ class TransformerXLModel(nn.Module):
         if P is not None: _check_int(P, 'P', 1)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
             raise ValueError(f"dropout must be a number in [0, 1], got {dropout!r}")
-        if P is None: P = 1 << (mem_len + max_seq_len - 1).bit_length()
+        # labml_nn's P = 4096 by default: its checkpoints load, and a model trained on short segments evaluates on long ones
+        if P is None: P = max(2 ** 12, 1 << (mem_len + max_seq_len - 1).bit_length())
+        self.P = None if sinusoid else P   # the sinusoid form has no table, hence no limit
         attn = (XLRelativeMultiHeadAttention(heads, d_model, dropout) if sinusoid
                 else RelativeMultiHeadAttention(heads, d_model, dropout, P=P))
         layer = TransformerXLLayer(d_model=d_model, self_attn=attn, feed_forward=FeedForward(d_model, d_ff, dropout),
@@ -431,6 +433,9 @@ class TransformerXLModel(nn.Module):
                ) -> Tuple[torch.Tensor, List[torch.Tensor]]: # logits `[seq_len, batch, n_vocab]`, next memory
         self.check_tokens(x, mem)
         n, m_len = x.shape[0], (len(mem[0]) if mem else 0)
+        if self.P is not None and m_len + n > self.P:   # the model's own argument, not the attention module's
+            raise ValueError(f"x (tokens) has seq_len {n} and the memory {m_len} positions: {m_len + n} keys, but the "
+                             f"model's position tables cover P={self.P}; build TransformerXLModel(..., P={m_len + n}) or larger")
         # causal over [memory, segment]: query i (position m_len + i) sees keys 0 .. m_len + i
         mask = (torch.arange(m_len + n, device=x.device)[None, :] <= torch.arange(n, device=x.device)[:, None] + m_len)[..., None]
         h, new_mem = self.transformer(self.src_embed(x), mem, mask)

@@ -326,7 +326,7 @@ for name, fn, names in [
     ("mem: wrong number of layers", lambda m: m(_tokens(), _txl_mem(m)[:1]), ("mem",)),
     ("mem: wrong d_model", lambda m: m(_tokens(), [t[..., :4] for t in _txl_mem(m)]), ("mem",)),
     ("mem: wrong batch", lambda m: m(_tokens(), [t[:, :1] for t in _txl_mem(m)]), ("mem",)),
-    ("segment + memory longer than P", lambda m: m(_tokens(n=40)), ("P",)),
+    ("segment + memory longer than P", lambda m: m(_tokens(n=4097)), ("P",)),
 ]:
     case(*TXL, name)(lambda mod, fn=fn, names=names: raises(lambda: fn(_txl(mod)), *names))
 
@@ -361,6 +361,73 @@ def _(mod):
     for layer in m.transformer.layers: layer.self_attn.need_weights = True
     close(m(x[4:], mem)[0], second, 1e-5, "readable vs fast")
     return "ok (== one pass; == readable)"
+
+
+# ---------------------------------------------------------------- relpos.models.DecoderLM (tokens [batch, seq])
+LM = ("models", "DecoderLM")
+
+
+def _lm(mod, position="xl", **kw):
+    torch.manual_seed(0)
+    kw = dict(dict(d_model=D, heads=H, n_layers=2, mem_len=4, max_len=6), **kw)
+    return mod.DecoderLM(VOCAB, position=position, **kw).eval()
+
+
+def _lm_tokens(b=2, n=5, seed=1):
+    return torch.randint(0, VOCAB, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _lm_mem(m, b=2):
+    return m(_lm_tokens(b=b))[1]
+
+
+for name, fn, names in [
+    ("float tokens", lambda m: m(_lm_tokens().float()), ("tokens",)),
+    ("bool tokens", lambda m: m(_lm_tokens() > 3), ("tokens",)),
+    ("tokens rank 3", lambda m: m(_lm_tokens()[..., None]), ("tokens",)),
+    ("list tokens", lambda m: m(_lm_tokens().tolist()), ("tokens",)),
+    ("token id >= n_vocab", lambda m: m(_lm_tokens() + VOCAB), ("tokens", "n_vocab")),
+    ("negative token id", lambda m: m(_lm_tokens() - VOCAB), ("tokens", "n_vocab")),
+    ("memory: wrong number of layers", lambda m: m(_lm_tokens(), _lm_mem(m)[:1]), ("memory", "n_layers")),
+    ("memory: from another batch size", lambda m: m(_lm_tokens(b=3), _lm_mem(m)), ("memory", "batch")),
+    ("memory: wrong dtype", lambda m: m(_lm_tokens(), [t.double() for t in _lm_mem(m)]), ("memory",)),
+    ("memory: wrong d_model", lambda m: m(_lm_tokens(), [t[..., :4] for t in _lm_mem(m)]), ("memory", "d_model")),
+    ("memory: not a list", lambda m: m(_lm_tokens(), _lm_mem(m)[0]), ("memory",)),
+    ("xl: segment + memory longer than P", lambda m: m(_lm_tokens(n=53)), ("P",)),     # P = 8 * 6 + 4 = 52
+    ("generate: negative max_new_tokens", lambda m: m.generate(_lm_tokens(), -1), ("max_new_tokens",)),
+    ("generate: negative temperature", lambda m: m.generate(_lm_tokens(), 2, temperature=-1.0), ("temperature",)),
+    ("generate: top_k > n_vocab", lambda m: m.generate(_lm_tokens(), 2, top_k=VOCAB + 1), ("top_k",)),
+    ("generate: beyond P", lambda m: m.generate(_lm_tokens(), 60), ("P",)),
+]:
+    case(*LM, name)(lambda mod, fn=fn, names=names: raises(lambda: fn(_lm(mod)), *names))
+
+for name, kw, names in [
+    ("mem_len < 0", dict(mem_len=-1), ("mem_len",)),
+    ("unknown position (lists POSITIONS)", dict(position="rope"), ("POSITIONS",)),
+    ("absolute with mem_len > 0", dict(position="absolute"), ("mem_len",)),
+    ("absolute without max_len", dict(position="absolute", mem_len=0, max_len=None), ("max_len",)),
+    ("d_model not divisible by heads", dict(d_model=9), ("d_model", "heads")),
+    ("float n_layers", dict(n_layers=2.0), ("n_layers",)),
+    ("dropout 1.5", dict(dropout=1.5), ("dropout",)),
+]:
+    case(*LM, name)(lambda mod, kw=kw, names=names: raises(lambda: _lm(mod, **kw), *names))
+
+
+@case(*LM, "absolute: beyond its table, and memory")
+def _(mod):
+    m = _lm(mod, position="absolute", mem_len=0)
+    raises(lambda: m(_lm_tokens(n=7)), "max_len")
+    return raises(lambda: m(_lm_tokens(), [torch.zeros(2, 3, D)] * 2), "memory")
+
+
+@case(*LM, "empty segment with memory, batch 0")
+def _(mod):
+    m = _lm(mod)
+    mem = _lm_mem(m)
+    out, new_mem = m(_lm_tokens(n=0), mem)
+    if out.shape != (2, 0, VOCAB) or any(not torch.equal(a, b) for a, b in zip(new_mem, mem)): raise Fail("empty segment")
+    if m(_lm_tokens(b=0))[0].shape != (0, 5, VOCAB): raise Fail("batch 0")
+    return "ok (empty, memory kept)"
 
 
 @case("fourier", "FourierMultiHeadAttention", "keys beyond max_number_of_keys")
@@ -1011,6 +1078,10 @@ MODULES = {
     "relative_mha.TransformerXLModel": ("relative_mha", "TransformerXLModel",
                                         dict(n_vocab=VOCAB, d_model=D, heads=H, d_ff=16, n_layers=2, mem_len=4,
                                              max_seq_len=6), "tokens"),
+    "models.DecoderLM(position='xl')": ("models", "DecoderLM", dict(n_vocab=VOCAB, d_model=D, heads=H, n_layers=2,
+                                                                  mem_len=4, max_len=6, position='xl'), "tokens"),
+    "models.DecoderLM(position='shaw')": ("models", "DecoderLM", dict(n_vocab=VOCAB, d_model=D, heads=H, n_layers=2,
+                                                                    mem_len=4, max_len=6, position='shaw'), "tokens"),
     "shaw.RelationAwareMultiHeadAttention": ("shaw", "RelationAwareMultiHeadAttention",
                                              dict(hidden_size=D, num_heads=H, k=2), "shaw"),
     "context_choice.ContextChoiceLinear": ("context_choice", "ContextChoiceLinear",

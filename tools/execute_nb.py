@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Execute notebooks in place so that the rendered docs show their outputs (plots, printed tensors, tables).
 
-    .venv/bin/python tools/execute_nb.py nbs/03_shaw.ipynb [...]
+    .venv/bin/python tools/execute_nb.py [--with-slow] nbs/03_shaw.ipynb [...]
 
-Cells flagged `#| slow` (benchmarks) are not run: they keep the outputs stored in the notebook, which come from
-`make bench`. Everything else runs in order from `nbs/`, as `nbdev_test` runs it; the first error stops the
+Cells flagged `#| slow` (benchmarks, the study) are not run: they keep the outputs stored in the notebook, which come
+from `make bench` or `make study`; `--with-slow` runs them too. Everything else runs in order from `nbs/`, as `nbdev_test` runs it; the first error stops the
 notebook unwritten. Run `nbdev_clean` afterwards.
 """
 import re, sys, time
@@ -16,9 +16,10 @@ from nbclient.exceptions import CellExecutionError
 
 class SkipSlow(NotebookClient):
     report_after = 2.0   # print the cells that take longer (seconds)
+    run_slow = False
 
     async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
-        if cell.cell_type == 'code' and cell.source.lstrip().startswith('#| slow'): return cell
+        if not self.run_slow and cell.cell_type == 'code' and cell.source.lstrip().startswith('#| slow'): return cell
         t0 = time.perf_counter()
         cell = await super().async_execute_cell(cell, cell_index, execution_count, store_history)
         if (t := time.perf_counter() - t0) > self.report_after:
@@ -26,15 +27,20 @@ class SkipSlow(NotebookClient):
         return cell
 
 
-def execute(path: Path, timeout: int = 600):
+def execute(path: Path, timeout: int = 600, run_slow: bool = False):
     nb = nbformat.read(path, as_version=4)
-    SkipSlow(nb, timeout=timeout, kernel_name='python3', resources={'metadata': {'path': str(path.parent)}}).execute()
+    client = SkipSlow(nb, timeout=timeout if not run_slow else None, kernel_name='python3',
+                      resources={'metadata': {'path': str(path.parent)}})
+    client.run_slow = run_slow
+    client.execute()
     nbformat.write(nb, path)
 
 
 if __name__ == '__main__':
-    for p in sys.argv[1:]:
-        try: execute(Path(p))
+    args = sys.argv[1:]
+    run_slow = '--with-slow' in args
+    for p in [a for a in args if a != '--with-slow']:
+        try: execute(Path(p), run_slow=run_slow)
         except CellExecutionError as e:
             sys.exit(f"{p}: " + re.sub(r'\x1b\[[0-9;]*m', '', str(e))[-3000:])
         print(f"executed {p}")

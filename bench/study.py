@@ -1,0 +1,229 @@
+"""The study behind the chapter "Which method?" (nbs/11_which_method.ipynb): every position method in
+`relpos.models.POSITIONS` trains the same small `DecoderLM` on the same bytes of real text, with the same optimizer,
+schedule, batches and number of steps, over several seeds; then each is evaluated at and beyond its training length.
+
+    python -m bench.study                  # the full study (`make study`), results in nbs/data/study.json
+    python -m bench.study --smoke          # a few steps, two methods, tiny data (what `make test` runs)
+
+Runs go to a pool of single-threaded worker processes, one fresh process per run, so that each run's peak memory is
+its own and two runs share the two cores of a small machine evenly.
+"""
+import argparse, hashlib, json, math, os, statistics, sys, time
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data: Python's own documentation, as shipped with the interpreter
+# ---------------------------------------------------------------------------------------------------------------
+def study_text(split:str='train'):
+    """Bytes of real English text nobody in relpos wrote, available offline: the language reference topics
+    (`pydoc_data.topics`) that CPython ships for `help()`. Topics sorted by name; every 10th topic (index 9, 19, ...)
+    is validation, the rest training, so the two never share a paragraph."""
+    from pydoc_data.topics import topics
+    names = sorted(topics)
+    pick = (lambda i: i % 10 == 9) if split == 'val' else (lambda i: i % 10 != 9)
+    if split not in ('train', 'val'): raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    return '\n\n'.join(topics[k] for i, k in enumerate(names) if pick(i)).encode('utf-8')
+
+def data_recipe() -> dict:
+    "What the study trained and evaluated on, with checksums a reader can compare against."
+    tr, va = study_text('train'), study_text('val')
+    return {'source': 'pydoc_data.topics (CPython ' + sys.version.split()[0] + ')',
+            'split': 'topics sorted by name; every 10th (index 9, 19, ...) is validation',
+            'train_bytes': len(tr), 'val_bytes': len(va),
+            'train_sha256': hashlib.sha256(tr).hexdigest(), 'val_sha256': hashlib.sha256(va).hexdigest()}
+
+def stream_batch(data:torch.Tensor, step:int, batch:int, seq:int):
+    """Batch `step` of `batch` parallel streams through `data`: stream s starts at s/batch of the text and moves on
+    by `seq` bytes a step (wrapping at the end), so consecutive batches continue each other, as Transformer-XL's
+    memory expects. Every method and seed sees exactly these batches."""
+    span = len(data) - seq - 1
+    starts = (torch.arange(batch) * (span // batch) + step * seq) % span
+    idx = starts[:, None] + torch.arange(seq + 1)
+    chunk = data[idx]
+    return chunk[:, :-1], chunk[:, 1:]
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------------------------
+def _rss(key:str) -> int:
+    for line in open('/proc/self/status'):
+        if line.startswith(key): return int(line.split()[1]) * 1024
+    return 0
+
+def lr_at(step:int, steps:int, lr:float, warmup:int) -> float:
+    "Linear warm-up, then cosine decay to a tenth of `lr`."
+    if step < warmup: return lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+@torch.no_grad()
+def bits_per_byte(model, data:torch.Tensor, window:int, seq:int, ends, segmented:bool) -> float:
+    """Bits per byte on the last `seq` bytes of windows of `window` bytes ending at `ends`: the same scored bytes
+    for every window length. `segmented`: feed the window in segments of `seq` with the model's memory (how a
+    Transformer-XL model reads a long text) instead of one forward pass over the whole window."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(ends), 16):
+        e = torch.as_tensor(ends[i:i + 16])
+        idx = e[:, None] - window + torch.arange(window + 1)[None] - 1
+        chunk = data[idx]
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        if segmented:
+            memory = None
+            for s in range(0, window, seq):
+                logits, memory = model(x[:, s:s + seq], memory)
+        else:
+            logits, _ = model(x)
+        logits = logits[:, -seq:]
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y[:, -seq:].reshape(-1),
+                                 reduction='sum').item()
+        count += y[:, -seq:].numel()
+    model.train()
+    return total / count / math.log(2)
+
+def extend_position_tables(model, max_distance:int) -> int:
+    """Copy each learned Transformer-XL table's row for distance `max_distance` into the rows of every longer
+    (past) distance: the same as clipping distances at `max_distance`, as Shaw et al. and T5 do, so rows that
+    training never reached stop holding their initial zeros. Outputs at distances up to `max_distance` do not change.
+    Returns the number of attention modules changed."""
+    from relpos.relative_mha import RelativeMultiHeadAttention
+    changed = 0
+    for m in model.modules():
+        if isinstance(m, RelativeMultiHeadAttention):
+            lo = m.P - max_distance   # row P - d serves a key d positions before the query
+            with torch.no_grad():
+                m.key_pos_embeddings[:lo] = m.key_pos_embeddings[lo]
+                m.key_pos_bias[:lo] = m.key_pos_bias[lo]
+            changed += 1
+    return changed
+
+def train_run(method:str, seed:int, steps:int=300, batch:int=16, seq:int=128, d_model:int=128, heads:int=4,
+              n_layers:int=3, mem_len:int=0, lr:float=2e-3, warmup:int=30, eval_every:int=50,
+              eval_windows=(128, 512, 1024), n_eval:int=48, data_scale:float=1.0) -> dict:
+    "Train one `DecoderLM(position=method)` and evaluate it; returns the curves, bits per byte, time and memory."
+    torch.set_num_threads(1)
+    from relpos.models import DecoderLM
+    train = torch.frombuffer(bytearray(study_text('train')), dtype=torch.uint8).long()
+    val = torch.frombuffer(bytearray(study_text('val')), dtype=torch.uint8).long()
+    if data_scale < 1: train, val = train[:int(len(train) * data_scale)], val[:int(len(val) * data_scale)]
+    torch.manual_seed(seed)
+    model = DecoderLM(256, d_model=d_model, heads=heads, n_layers=n_layers, position=method, mem_len=mem_len,
+                      max_len=seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    wmax = max(eval_windows)
+    ends = torch.linspace(wmax + 1, len(val), n_eval).long().tolist()   # the same scored bytes at every length
+    curve_ends = ends[::max(1, n_eval // 16)]
+    curve, train_loss, step_times = [], [], []
+    open('/proc/self/clear_refs', 'w').write('5')   # peak resident memory from here on is this run's training
+    base = _rss('VmRSS')
+    memory = None
+    for step in range(steps):
+        x, y = stream_batch(train, step, batch, seq)
+        for g in opt.param_groups: g['lr'] = lr_at(step, steps, lr, warmup)
+        t0 = time.perf_counter()
+        logits, memory = model(x, memory) if mem_len else model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step_times.append(time.perf_counter() - t0)
+        train_loss.append(loss.item() / math.log(2))
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            curve.append((step + 1, bits_per_byte(model, val, seq, seq, curve_ends, segmented=False)))
+    peak = _rss('VmHWM') - base
+    def evaluate():
+        bpb = {}
+        for w in eval_windows:
+            try: bpb[str(w)] = bits_per_byte(model, val, w, seq, ends, segmented=bool(mem_len))
+            except (ValueError, TypeError) as e: bpb[str(w)] = 'refused: ' + str(e).splitlines()[0]
+        return bpb
+    bpb = evaluate()
+    # the small learned position parameters, for the chapter's pictures of what each method learned
+    keep = ('key_pos_bias', 'rotation_matrix', 'relative_attention_bias', 'relative_position_k', 'position_embeddings')
+    positions = {k: [round(v, 5) for v in t.flatten().tolist()] + [list(t.shape)] for k, t in model.state_dict().items()
+                 if any(w in k for w in keep) and t.numel() <= 16384} if seed == 0 else {}
+    # learned XL tables: the same trained model again with its untrained rows filled (see extend_position_tables);
+    # with memory, evaluation reads segments with a bounded memory and never reaches an untrained row
+    extended = evaluate() if not mem_len and extend_position_tables(model, seq - 1) else None
+    return {'method': method, 'seed': seed, 'mem_len': mem_len, 'bpb': bpb, 'bpb_extended': extended,
+            'curve': curve, 'train_bpb': train_loss, 'positions': positions,
+            'step_time': statistics.median(step_times[10:] or step_times), 'peak_bytes': peak,
+            'params': sum(p.numel() for p in model.parameters())}
+
+def _worker(kw:dict) -> dict:
+    try: return train_run(**kw)
+    except Exception as e:   # one failed run is reported in the results, never silently dropped
+        return {**{k: kw[k] for k in ('method', 'seed')}, 'mem_len': kw.get('mem_len', 0),
+                'error': f"{type(e).__name__}: {e}"}
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole study
+# ---------------------------------------------------------------------------------------------------------------
+def study_runs(methods, seeds, variants:dict=None, **common) -> list:
+    """Every (variant, seed): methods with their defaults, plus `variants` (label -> extra keyword arguments, e.g.
+    Transformer-XL with memory). Seeds innermost, interleaved, so that machine noise spreads over methods evenly."""
+    cases = [dict(label=m, method=m) for m in methods]
+    cases += [dict(label=label, **kw) for label, kw in (variants or {}).items()]
+    return [dict(case, seed=s, **common) for s in seeds for case in cases]
+
+def run_study(runs:list, workers:int=2) -> list:
+    "Run every entry of `runs` (keyword arguments of `train_run`, plus a `label`) in fresh processes."
+    labels = [r.pop('label') for r in runs]
+    env_threads = os.environ.get('OMP_NUM_THREADS')
+    os.environ['OMP_NUM_THREADS'] = '1'   # read by each worker's OpenMP at start-up
+    try:
+        with get_context('spawn').Pool(workers, maxtasksperchild=1) as pool:
+            results = pool.map(_worker, runs, chunksize=1)
+    finally:
+        if env_threads is None: os.environ.pop('OMP_NUM_THREADS')
+        else: os.environ['OMP_NUM_THREADS'] = env_threads
+    for label, r in zip(labels, results): r['label'] = label
+    return results
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--smoke', action='store_true', help='a few steps, two methods, tiny data')
+    ap.add_argument('--steps', type=int, default=300)
+    ap.add_argument('--seeds', type=int, default=3)
+    ap.add_argument('--workers', type=int, default=2)
+    ap.add_argument('--methods', nargs='*', default=None, help='default: every entry of relpos.models.POSITIONS')
+    ap.add_argument('--out', default=None, help='default: nbs/data/study.json (smoke: print only)')
+    ap.add_argument('--no-variants', action='store_true', help='only the methods, not Transformer-XL with memory')
+    ap.add_argument('--append', action='store_true',
+                    help='add these runs to the results file as a new batch (timings compare within a batch)')
+    a = ap.parse_args(argv)
+    from relpos.models import POSITIONS
+    methods = a.methods or list(POSITIONS)
+    if a.smoke:
+        runs = study_runs(methods[:2], range(1), steps=4, eval_every=2, n_eval=4, eval_windows=(128, 256),
+                          d_model=32, n_layers=1, data_scale=0.05)
+    else:
+        variants = {} if a.no_variants else {'xl+memory': dict(method='xl', mem_len=128)}
+        runs = study_runs(methods, range(a.seeds), variants, steps=a.steps)
+    path = Path(a.out or Path(__file__).resolve().parents[1] / 'nbs' / 'data' / 'study.json')
+    old = json.loads(path.read_text()) if a.append and path.exists() else {'batches': [], 'results': []}
+    t0 = time.time()
+    results = run_study(runs, workers=a.workers)
+    batch = len(old['batches'])
+    for r in results: r['batch'] = batch
+    out = {'recipe': data_recipe(), 'torch': torch.__version__,
+           'batches': old['batches'] + [{'argv': sys.argv[1:] if argv is None else argv,
+                                         'wall_seconds': time.time() - t0, 'runs': len(results)}],
+           'results': old['results'] + results}
+    if old['batches'] and old.get('recipe') != out['recipe']: sys.exit('--append: the data recipe changed; start anew')
+    failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for r in results if 'error' in r]
+    if a.out or not a.smoke:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+        print(f"wrote {path} (batch {batch}: {len(results)} runs, {out['batches'][-1]['wall_seconds']:.0f} s)")
+    else:
+        for r in results: print(r['label'], r['seed'], r.get('bpb', r.get('error')))
+    if failed: sys.exit("failed runs:\n" + '\n'.join(failed))
+    return out
+
+if __name__ == '__main__': main()

@@ -1,0 +1,224 @@
+"""relpos.models: every position method trains, evaluates at 8x its training length, runs with memory,
+generates with a cache that equals re-encoding; labml_nn Transformer-XL checkpoints load."""
+import ast, math
+from pathlib import Path
+import pytest
+import torch
+import torch.nn.functional as F
+from relpos.models import DecoderLM, POSITIONS, POSITION_BUILDERS, causal_mask, BatchFirstAttention
+from relpos.relative_mha import TransformerXLModel
+
+V = 13
+MEMORY = [p for p in POSITIONS if DecoderLM(V, d_model=8, heads=2, n_layers=1, position=p, max_len=4).supports_memory]
+
+
+def randomized(lm, std=0.1, seed=0):
+    "Perturb every parameter: XL's zero-initialised tables would make equality checks vacuous."
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.parameters(): p.add_(std * torch.randn(p.shape, generator=g))
+    return lm
+
+
+def small(position, **kw):
+    torch.manual_seed(0)
+    kw = dict(dict(d_model=16, heads=2, n_layers=2, max_len=8), **kw)
+    return DecoderLM(V, position=position, **kw)
+
+
+def test_causal_mask_matches_brute_force():
+    for q in range(0, 5):
+        for k in range(q, 7):
+            want = torch.tensor([[j <= i + k - q for j in range(k)] for i in range(q)], dtype=torch.bool).reshape(q, k)
+            assert torch.equal(causal_mask(q, k), want)
+
+
+def test_positions_cover_the_contract():
+    assert {'none', 'absolute', 'xl', 'xl_paper', 'shaw', 'fourier'} <= set(POSITIONS)
+    assert set(MEMORY) == set(POSITIONS) - {'absolute'}
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_trains_and_evaluates_at_8x(position):
+    "Loss falls over a few steps (next token = token + 1 mod V, learnable with or without positions); then 8x the length."
+    lm = small(position, max_len=16)
+    opt, g = torch.optim.Adam(lm.parameters(), lr=1e-2), torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(15):
+        x = (torch.randint(0, V, (8, 1), generator=g) + torch.arange(16)) % V
+        logits, _ = lm(x)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    lm.eval()
+    with torch.no_grad():
+        if position == 'absolute':
+            with pytest.raises(ValueError, match='max_len='): lm(torch.randint(0, V, (1, 17)))
+        else:
+            logits, _ = lm(torch.randint(0, V, (2, 8 * 16)))
+            assert logits.shape == (2, 128, V) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("position", MEMORY)
+@pytest.mark.parametrize("mem_len", [3, 5, 12])
+def test_memory_is_bounded_detached_and_exact(position, mem_len):
+    "Segments with memory give the logits of one pass over [the last mem_len tokens (per layer), segment]."
+    lm = randomized(small(position, mem_len=mem_len)).eval()
+    tokens = torch.randint(0, V, (2, 15), generator=torch.Generator().manual_seed(1))
+    memory, seen = None, 0
+    for n in (4, 5, 6):
+        seg = tokens[:, seen:seen + n]
+        logits, new_memory = lm(seg, memory)
+        assert len(new_memory) == 2
+        assert all(m.shape == (2, min(mem_len, seen + n), 16) and not m.requires_grad for m in new_memory)
+        if mem_len >= seen:   # the memory holds everything before: exact against one pass
+            whole, _ = lm(tokens[:, :seen + n])
+            torch.testing.assert_close(logits, whole[:, seen:], rtol=1e-5, atol=1e-5)
+        memory, seen = new_memory, seen + n
+
+
+@pytest.mark.parametrize("position", MEMORY)
+def test_memory_gradients_stop(position):
+    lm = randomized(small(position, mem_len=4))
+    _, memory = lm(torch.randint(0, V, (2, 4)))
+    logits, _ = lm(torch.randint(0, V, (2, 4)), memory)
+    logits.sum().backward()
+    assert all(m.grad is None and not m.requires_grad for m in memory)
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_cached_logits_equal_reencoding(position):
+    "The cache generate uses (every earlier layer input) gives, step by step, the logits of re-encoding the prefix."
+    lm = randomized(small(position, max_len=16)).eval()
+    seq = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, cache = lm._run(seq[:, :5], None, None)
+        for t in range(5, 12):
+            want = lm(seq[:, :t])[0][:, -1]
+            torch.testing.assert_close(logits[:, -1], want, rtol=1e-5, atol=1e-5)
+            logits, cache = lm._run(seq[:, t:t + 1], cache, None)
+            assert all(c.shape[1] == t + 1 for c in cache)
+
+
+def _reencoding_sampler(lm, prompt, n, temperature, top_k, generator):
+    "The naive generator: re-encode the whole prefix for every token, same sampling rule."
+    out = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            logits = lm(out)[0][:, -1].float()
+            if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    logits = logits.masked_fill(logits < logits.topk(top_k, -1).values[:, -1:], float('-inf'))
+                nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            out = torch.cat([out, nxt], 1)
+    return out
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("temperature, top_k", [(0, None), (1.0, None), (0.7, 3)])
+def test_generate_equals_reencoding(position, temperature, top_k):
+    lm = randomized(small(position, max_len=16))
+    prompt = torch.randint(0, V, (3, 4), generator=torch.Generator().manual_seed(3))
+    got = lm.generate(prompt, 10, temperature=temperature, top_k=top_k, generator=torch.Generator().manual_seed(4))
+    assert lm.training   # the mode is restored
+    want = _reencoding_sampler(lm.eval(), prompt, 10, temperature, top_k, torch.Generator().manual_seed(4))
+    assert torch.equal(got, want)
+
+
+def test_generate_limits():
+    lm = small('absolute', max_len=8)
+    assert lm.generate(torch.zeros(1, 4, dtype=torch.long), 5).shape == (1, 9)  # the last token needs no position
+    with pytest.raises(ValueError, match='max_len=9'): lm.generate(torch.zeros(1, 4, dtype=torch.long), 6)
+    xl = small('xl', max_len=2)   # P = 16
+    with pytest.raises(ValueError, match='P=17'): xl.generate(torch.zeros(1, 8, dtype=torch.long), 10)
+    for bad, match in [(dict(max_new_tokens=-1), 'max_new_tokens'), (dict(max_new_tokens=2, temperature=-1.0), 'temperature'),
+                       (dict(max_new_tokens=2, top_k=0), 'top_k'), (dict(max_new_tokens=2, top_k=V + 1), 'top_k')]:
+        with pytest.raises((ValueError, TypeError), match=match): lm.generate(torch.zeros(1, 2, dtype=torch.long), **bad)
+    with pytest.raises(ValueError, match='prompt'): lm.generate(torch.zeros(1, 0, dtype=torch.long), 2)
+
+
+def test_empty_segment_keeps_memory():
+    lm = small('xl', mem_len=4).eval()
+    _, memory = lm(torch.randint(0, V, (2, 3)))
+    logits, new_memory = lm(torch.zeros(2, 0, dtype=torch.long), memory)
+    assert logits.shape == (2, 0, V) and all(torch.equal(a, b) for a, b in zip(memory, new_memory))
+
+
+def test_custom_builder_and_per_layer_factory():
+    "`position=` takes a builder; `make_attention(layer)` picks each layer's attention."
+    class Half(DecoderLM):
+        def make_attention(self, layer):
+            return POSITION_BUILDERS['shaw' if layer == 0 else 'xl_paper'](self.d_model, self.heads, 0.0, self.max_len, self.mem_len)
+    lm = Half(V, d_model=16, heads=2, n_layers=2, position='none', mem_len=4)
+    assert [type(l.self_attn.module).__name__ for l in lm.layers] == ['RelationAwareMultiHeadAttention', 'XLRelativeMultiHeadAttention']
+    logits, mem = lm(torch.randint(0, V, (2, 5)))
+    assert logits.shape == (2, 5, V) and len(mem) == 2
+    lm2 = DecoderLM(V, d_model=16, heads=2, n_layers=1, position=POSITION_BUILDERS['fourier'])
+    assert lm2(torch.randint(0, V, (2, 5)))[0].shape == (2, 5, V)
+
+
+def test_state_dict_round_trip():
+    for position in POSITIONS:
+        a = randomized(small(position)).eval()
+        b = small(position).eval()
+        b.load_state_dict(a.state_dict(), strict=True)
+        x = torch.randint(0, V, (2, 6))
+        torch.testing.assert_close(a(x)[0], b(x)[0])
+
+
+# ---------------------------------------------------------------- labml_nn compatibility
+def _labml_autoregressive_model():
+    "labml_nn's Transformer-XL experiment `AutoregressiveModel`, from its source (the experiment module imports "
+    "torchvision and labml trainer helpers this venv does not have, so only the class is executed)."
+    xl = pytest.importorskip("labml_nn.transformers.xl")
+    import labml_nn.utils
+    src = Path(xl.__file__).with_name('experiment.py').read_text()
+    cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == 'AutoregressiveModel')
+    ns = dict(torch=torch, nn=torch.nn, List=list, TransformerXL=xl.TransformerXL)
+    from labml_nn.transformers.utils import subsequent_mask
+    ns['subsequent_mask'] = subsequent_mask
+    exec(compile(ast.Module([cls], []), 'labml_nn/transformers/xl/experiment.py', 'exec'), ns)
+    return ns['AutoregressiveModel'], xl
+
+
+def _labml_model(n_vocab, d_model, heads, d_ff, n_layers):
+    AutoregressiveModel, xl = _labml_autoregressive_model()
+    from labml_nn.transformers.feed_forward import FeedForward
+    layer = xl.TransformerXLLayer(d_model=d_model, self_attn=xl.RelativeMultiHeadAttention(heads, d_model, 0.0),
+                                  feed_forward=FeedForward(d_model, d_ff, 0.0), dropout_prob=0.0)
+    torch.manual_seed(0)
+    return randomized(AutoregressiveModel(n_vocab, d_model, xl.TransformerXL(layer, n_layers)), std=0.05).eval()
+
+
+def test_transformer_xl_model_defaults_load_labml_checkpoint():
+    "`TransformerXLModel(n_vocab)` with default sizes loads labml_nn's model strictly and gives its numbers."
+    labml = _labml_model(11, d_model=128, heads=4, d_ff=256, n_layers=6)
+    ours = TransformerXLModel(11).eval()
+    ours.load_state_dict(labml.state_dict(), strict=True)
+    x = torch.randint(0, 11, (7, 2))
+    with torch.no_grad():
+        want, want_mem = labml(x, [])
+        got, _ = ours(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_transformer_xl_model_evaluates_at_8x_and_names_its_own_P():
+    m = TransformerXLModel(11, d_model=16, heads=2, d_ff=32, n_layers=1, mem_len=128, max_seq_len=128).eval()
+    with torch.no_grad():
+        _, mem = m(torch.randint(0, 11, (128, 1)))
+        assert m(torch.randint(0, 11, (1024, 1)), mem)[0].shape == (1024, 1, 11)
+    with pytest.raises(ValueError, match=r'TransformerXLModel\(\.\.\., P=4097\)'):
+        m(torch.randint(0, 11, (3969, 1)), mem)
+
+
+def test_decoder_lm_xl_loads_labml_checkpoint_through_documented_key_map():
+    from relpos.models import labml_xl_state_dict
+    labml = _labml_model(11, d_model=32, heads=4, d_ff=64, n_layers=2)
+    lm = DecoderLM(11, d_model=32, heads=4, n_layers=2, d_ff=64, position='xl', P=4096).eval()
+    lm.load_state_dict(labml_xl_state_dict(labml.state_dict()), strict=True)
+    x = torch.randint(0, 11, (2, 9))
+    with torch.no_grad():
+        want, _ = labml(x.t(), [])
+        torch.testing.assert_close(lm(x)[0], want.transpose(0, 1), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,52 @@
+"The study harness (bench/study.py) end to end at toy size: data recipe, batches, training, evaluation, refusals."
+import json, subprocess, sys
+import pytest, torch
+from bench.study import study_text, data_recipe, stream_batch, train_run, lr_at, extend_position_tables
+from relpos.models import DecoderLM
+
+def test_data_is_split_and_fixed():
+    tr, va = study_text('train'), study_text('val')
+    assert len(tr) > 8 * len(va) > 0
+    assert va[:200] not in tr   # validation topics are not in the training text
+    r = data_recipe()
+    assert r['train_bytes'] == len(tr) and len(r['train_sha256']) == 64
+    with pytest.raises(ValueError, match='split'): study_text('test')
+
+def test_stream_batches_continue_each_other():
+    data = torch.arange(10_000)
+    x0, y0 = stream_batch(data, 0, 4, 16)
+    x1, _ = stream_batch(data, 1, 4, 16)
+    assert torch.equal(y0[:, :-1], x0[:, 1:])          # targets are the next bytes
+    assert torch.equal(x1[:, 0], x0[:, -1] + 1)         # step 1 continues step 0 in every stream
+
+def test_schedule():
+    assert lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)
+    assert lr_at(9, 100, 1.0, 10) == pytest.approx(1.0)
+    assert lr_at(99, 100, 1.0, 10) == pytest.approx(0.1, abs=0.01)
+
+@pytest.mark.parametrize('method,mem_len', [('none', 0), ('xl', 32), ('absolute', 0)])
+def test_smoke_run(method, mem_len):
+    r = train_run(method, seed=0, steps=6, batch=4, seq=32, d_model=32, heads=2, n_layers=1, mem_len=mem_len,
+                  eval_every=3, eval_windows=(32, 64), n_eval=4, data_scale=0.05, warmup=2)
+    assert len(r['curve']) == 2 and r['train_bpb'][-1] < r['train_bpb'][0]   # it learns
+    assert isinstance(r['bpb']['32'], float) and r['step_time'] > 0
+    if method == 'absolute': assert r['bpb']['64'].startswith('refused')  # a refusal is reported, never a number
+    else: assert isinstance(r['bpb']['64'], float)
+
+def test_cli_smoke():
+    r = subprocess.run([sys.executable, '-m', 'bench.study', '--smoke', '--workers', '1', '--methods', 'none', 'xl'],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+def test_extend_position_tables_keeps_trained_lengths_and_clips_beyond():
+    torch.manual_seed(0)
+    m = DecoderLM(256, d_model=32, heads=2, n_layers=2, position='xl', max_len=16).eval()
+    for p in m.parameters(): torch.nn.init.normal_(p, std=0.1)   # every table row different, as if trained
+    x = torch.randint(0, 256, (2, 48))
+    before_short, before_long = m(x[:, :16])[0], m(x)[0]
+    assert extend_position_tables(m, 15) == 2
+    torch.testing.assert_close(m(x[:, :16])[0], before_short)            # distances 0..15: unchanged
+    assert not torch.allclose(m(x)[0], before_long)                        # distances beyond 15 now read row 15
+    for a in (mod for mod in m.modules() if hasattr(mod, 'key_pos_bias')):
+        P = a.P
+        assert torch.equal(a.key_pos_bias[:P - 15], a.key_pos_bias[P - 15].expand(P - 15, -1))
