@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['POSITION_BUILDERS', 'POSITIONS', 'causal_mask', 'BatchFirstAttention', 'SequenceFirstAttention', 'ShawAttention',
-           'labml_position', 'DecoderLayer', 'DecoderLM', 'labml_xl_state_dict']
+           'LabmlPosition', 'DecoderLayer', 'DecoderLM', 'labml_xl_state_dict']
 
 # %% ../nbs/09_models.ipynb #e0c9b173
 import math
@@ -73,13 +73,15 @@ class ShawAttention(BatchFirstAttention):
         return self.module(query, key, value, mask)
 
 # %% ../nbs/09_models.ipynb #4ce8ddea
-def labml_position(cls:type, # a `relpos.mha.MultiHeadAttention` subclass: `cls(heads, d_model, dropout_prob, **kwargs)`
-                  ) -> Callable: # a `POSITION_BUILDERS` entry
+class LabmlPosition:
     "Registry entry for a labml-dialect attention class with no length limit and keys longer than queries."
-    def build(d_model, heads, dropout, max_len, mem_len, **kwargs):
-        return SequenceFirstAttention(cls(heads, d_model, dropout, **kwargs))
-    build.__doc__ = f"`{cls.__name__}` behind `SequenceFirstAttention`."
-    return build
+    def __init__(self, cls:type): # a `relpos.mha.MultiHeadAttention` subclass: `cls(heads, d_model, dropout_prob, **kwargs)`
+        self.cls = cls
+
+    def __call__(self, d_model, heads, dropout, max_len, mem_len, **kwargs) -> BatchFirstAttention:
+        return SequenceFirstAttention(self.cls(heads, d_model, dropout, **kwargs))
+
+    def __repr__(self): return f"LabmlPosition({self.cls.__name__})"
 
 def _xl_tables(d_model, heads, dropout, max_len, mem_len, P=None, **kwargs):
     "labml's learned tables `R`, `S`; default `P` covers 8x `max_len` plus the memory (labml's 4096 without `max_len`)."
@@ -98,10 +100,10 @@ def _fourier(d_model, heads, dropout, max_len, mem_len, max_number_of_keys=None,
                                                             max_number_of_keys=max_number_of_keys, **kwargs))
 
 POSITION_BUILDERS: Dict[str, Callable] = {
-    'none': labml_position(MultiHeadAttention),           # no position information beyond the causal mask
-    'absolute': labml_position(MultiHeadAttention),       # plain attention; `DecoderLM` adds a learned table to the embeddings
+    'none': LabmlPosition(MultiHeadAttention),           # no position information beyond the causal mask
+    'absolute': LabmlPosition(MultiHeadAttention),       # plain attention; `DecoderLM` adds a learned table to the embeddings
     'xl': _xl_tables,                                     # Transformer-XL, labml's learned tables
-    'xl_paper': labml_position(XLRelativeMultiHeadAttention), # Transformer-XL as in the paper: sinusoid R, u, v
+    'xl_paper': LabmlPosition(XLRelativeMultiHeadAttention), # Transformer-XL as in the paper: sinusoid R, u, v
     'shaw': _shaw,
     'fourier': _fourier,
     'rotary': labml_position(RotaryMultiHeadAttention),   # rotate queries and keys by position (RoFormer, LLaMA)
@@ -150,9 +152,8 @@ class DecoderLM(nn.Module):
         if max_len is not None: _check_int(max_len, 'max_len', 1)
         if isinstance(dropout, bool) or not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
-        if callable(position): self.build = position
-        elif isinstance(position, str) and position in POSITION_BUILDERS: self.build = POSITION_BUILDERS[position]
-        else: raise ValueError(f"position must be one of POSITIONS {POSITIONS} or a callable builder, got {position!r}")
+        if not (callable(position) or (isinstance(position, str) and position in POSITION_BUILDERS)):
+            raise ValueError(f"position must be one of POSITIONS {tuple(POSITION_BUILDERS)} or a callable builder, got {position!r}")
         if position == 'absolute':
             if max_len is None: raise ValueError("position='absolute' needs max_len (the length of its learned table)")
             if mem_len: raise ValueError(f"position='absolute' cannot use memory: its positions restart at every call, "
@@ -172,9 +173,14 @@ class DecoderLM(nn.Module):
         if position == 'absolute': self.max_keys, self.max_keys_arg = max_len, 'max_len'
         else: self.max_keys, self.max_keys_arg = attn.max_keys, attn.max_keys_arg
 
+    def extra_repr(self):
+        name = self.position if isinstance(self.position, str) else getattr(self.position, '__name__', 'custom')
+        return f"position={name!r}, mem_len={self.mem_len}, max_len={self.max_len}, max_keys={self.max_keys}"
+
     def make_attention(self, layer:int) -> BatchFirstAttention:
         "Self-attention of layer `layer`; override to give some layers another kind of attention."
-        return self.build(self.d_model, self.heads, self.dropout_p, self.max_len, self.mem_len, **self.position_kwargs)
+        build = POSITION_BUILDERS[self.position] if isinstance(self.position, str) else self.position
+        return build(self.d_model, self.heads, self.dropout_p, self.max_len, self.mem_len, **self.position_kwargs)
 
     def make_layer(self, layer:int) -> nn.Module:
         "Decoder layer `layer` around `make_attention(layer)`."
@@ -260,7 +266,7 @@ def _forward(self, tokens:torch.Tensor,               # token ids `[batch, seq_l
 DecoderLM._check_tokens, DecoderLM._check_memory, DecoderLM._check_length = _check_tokens, _check_memory, _check_length
 DecoderLM._run, DecoderLM.forward = _run, _forward
 
-# %% ../nbs/09_models.ipynb #d621c8c1
+# %% ../nbs/09_models.ipynb #d35cbcce
 @torch.no_grad()
 def _generate(self, prompt:torch.Tensor,     # token ids `[batch, seq_len]`, at least one per row
               max_new_tokens:int,            # tokens to append
@@ -303,7 +309,7 @@ def _sample(logits, temperature, top_k, generator):
 
 DecoderLM.generate = _generate
 
-# %% ../nbs/09_models.ipynb #1ccefa65
+# %% ../nbs/09_models.ipynb #612e405e
 def labml_xl_state_dict(state_dict:dict, # a labml_nn Transformer-XL `AutoregressiveModel` (or `TransformerXLModel`) state_dict
                        ) -> dict:        # the same tensors under `DecoderLM(position='xl', P=4096)`'s keys
     "Rename labml_nn Transformer-XL keys for `DecoderLM` (table above)."

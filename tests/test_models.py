@@ -159,13 +159,16 @@ def test_custom_builder_and_per_layer_factory():
     assert lm2(torch.randint(0, V, (2, 5)))[0].shape == (2, 5, V)
 
 
-def test_state_dict_round_trip():
+def test_state_dict_round_trip_pickle_deepcopy():
+    import copy, pickle
     for position in POSITIONS:
         a = randomized(small(position)).eval()
         b = small(position).eval()
         b.load_state_dict(a.state_dict(), strict=True)
         x = torch.randint(0, V, (2, 6))
-        torch.testing.assert_close(a(x)[0], b(x)[0])
+        with torch.no_grad():
+            for other in (b, copy.deepcopy(a), pickle.loads(pickle.dumps(a))):
+                torch.testing.assert_close(other(x)[0], a(x)[0], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- labml_nn compatibility
@@ -222,3 +225,13 @@ def test_decoder_lm_xl_loads_labml_checkpoint_through_documented_key_map():
     with torch.no_grad():
         want, _ = labml(x.t(), [])
         torch.testing.assert_close(lm(x)[0], want.transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", ['xl', 'absolute'])
+def test_generate_runs_one_position_per_new_token(position):
+    "The O(n * context) claim, counted: after the prompt, every step runs the layers on one position."
+    lm = small(position, max_len=16)
+    seen = []
+    lm.layers[0].register_forward_pre_hook(lambda mod, args: seen.append((args[0].shape[1], 0 if args[1] is None else args[1].shape[1])))
+    lm.generate(torch.randint(0, V, (2, 5)), 6)
+    assert seen == [(5, 0)] + [(1, 5 + s) for s in range(5)]   # (queries, cached positions)
