@@ -18,6 +18,7 @@ from .shaw import RelationAwareMultiHeadAttention
 from .fourier import FourierMultiHeadAttention
 from .rotary import RotaryMultiHeadAttention
 from .alibi import ALiBiMultiHeadAttention
+from .t5 import T5MultiHeadAttention
 
 # %% ../nbs/09_models.ipynb #396f09e8
 def _check_int(x, name:str, minimum:int) -> int:
@@ -106,8 +107,9 @@ POSITION_BUILDERS: Dict[str, Callable] = {
     'xl_paper': LabmlPosition(XLRelativeMultiHeadAttention), # Transformer-XL as in the paper: sinusoid R, u, v
     'shaw': _shaw,
     'fourier': _fourier,
-    'rotary': labml_position(RotaryMultiHeadAttention),   # rotate queries and keys by position (RoFormer, LLaMA)
-    'alibi': labml_position(ALiBiMultiHeadAttention),     # a fixed linear penalty per head on the distance (Press et al.)
+    'rotary': LabmlPosition(RotaryMultiHeadAttention),   # rotate queries and keys by position (RoFormer, LLaMA)
+    'alibi': LabmlPosition(ALiBiMultiHeadAttention),     # a fixed linear penalty per head on the distance (Press et al.)
+    't5': LabmlPosition(T5MultiHeadAttention),           # a learned bias per head for each of 32 log-spaced distance buckets (T5)
 }
 POSITIONS = tuple(POSITION_BUILDERS)
 
