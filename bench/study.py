@@ -102,7 +102,7 @@ def extend_position_tables(model, max_distance:int) -> int:
     return changed
 
 def train_run(method:str, seed:int, steps:int=300, batch:int=16, seq:int=128, d_model:int=128, heads:int=4,
-              n_layers:int=3, mem_len:int=0, lr:float=2e-3, warmup:int=30, eval_every:int=50,
+              n_layers:int=3, mem_len:int=0, lr:float=2e-3, warmup:int=30, eval_every:int=50, # 0: no curve
               eval_windows=(128, 512, 1024), n_eval:int=48, data_scale:float=1.0) -> dict:
     "Train one `DecoderLM(position=method)` and evaluate it; returns the curves, bits per byte, time and memory."
     torch.set_num_threads(1)
@@ -114,7 +114,7 @@ def train_run(method:str, seed:int, steps:int=300, batch:int=16, seq:int=128, d_
     model = DecoderLM(256, d_model=d_model, heads=heads, n_layers=n_layers, position=method, mem_len=mem_len,
                       max_len=seq)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    wmax = max(eval_windows)
+    wmax = max(eval_windows, default=seq)
     ends = torch.linspace(wmax + 1, len(val), n_eval).long().tolist()   # the same scored bytes at every length
     curve_ends = ends[::max(1, n_eval // 16)]
     curve, train_loss, step_times = [], [], []
@@ -133,7 +133,7 @@ def train_run(method:str, seed:int, steps:int=300, batch:int=16, seq:int=128, d_
         opt.step()
         step_times.append(time.perf_counter() - t0)
         train_loss.append(loss.item() / math.log(2))
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
             curve.append((step + 1, bits_per_byte(model, val, seq, seq, curve_ends, segmented=False)))
     peak = _rss('VmHWM') - base
     def evaluate():
@@ -149,7 +149,7 @@ def train_run(method:str, seed:int, steps:int=300, batch:int=16, seq:int=128, d_
                  if any(w in k for w in keep) and t.numel() <= 16384} if seed == 0 else {}
     # learned XL tables: the same trained model again with its untrained rows filled (see extend_position_tables);
     # with memory, evaluation reads segments with a bounded memory and never reaches an untrained row
-    extended = evaluate() if not mem_len and extend_position_tables(model, seq - 1) else None
+    extended = evaluate() if eval_windows and not mem_len and extend_position_tables(model, seq - 1) else None
     return {'method': method, 'seed': seed, 'mem_len': mem_len, 'bpb': bpb, 'bpb_extended': extended,
             'curve': curve, 'train_bpb': train_loss, 'positions': positions,
             'step_time': statistics.median(step_times[10:] or step_times), 'peak_bytes': peak,
@@ -188,41 +188,46 @@ def run_study(runs:list, workers:int=2) -> list:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--smoke', action='store_true', help='a few steps, two methods, tiny data')
+    ap.add_argument('--phase', choices=('all', 'train', 'timing'), default='all',
+                    help="train: the quality runs; timing: short runs that time a step, for a quiet machine; all: both")
     ap.add_argument('--steps', type=int, default=300)
     ap.add_argument('--seeds', type=int, default=3)
     ap.add_argument('--workers', type=int, default=2)
     ap.add_argument('--methods', nargs='*', default=None, help='default: every entry of relpos.models.POSITIONS')
     ap.add_argument('--out', default=None, help='default: nbs/data/study.json (smoke: print only)')
-    ap.add_argument('--no-variants', action='store_true', help='only the methods, not Transformer-XL with memory')
-    ap.add_argument('--append', action='store_true',
-                    help='add these runs to the results file as a new batch (timings compare within a batch)')
     a = ap.parse_args(argv)
     from relpos.models import POSITIONS
     methods = a.methods or list(POSITIONS)
+    variants = {'xl+memory': dict(method='xl', mem_len=128)}
     if a.smoke:
-        runs = study_runs(methods[:2], range(1), steps=4, eval_every=2, n_eval=4, eval_windows=(128, 256),
-                          d_model=32, n_layers=1, data_scale=0.05)
+        methods, variants = methods[:2], {}
+        tiny = dict(d_model=32, n_layers=1, data_scale=0.05)
+        train = study_runs(methods, range(1), steps=4, eval_every=2, n_eval=4, eval_windows=(128, 256), **tiny)
+        timing = study_runs(methods, range(1), steps=12, eval_every=0, eval_windows=(), **tiny)
     else:
-        variants = {} if a.no_variants else {'xl+memory': dict(method='xl', mem_len=128)}
-        runs = study_runs(methods, range(a.seeds), variants, steps=a.steps)
+        train = study_runs(methods, range(a.seeds), variants, steps=a.steps)
+        # Step time and memory: every variant twice, interleaved, 40 steps each (the median of the last 30), after
+        # the quality runs, so that a quiet machine can give the whole of its two cores to this part alone.
+        timing = study_runs(methods, range(2), variants, steps=40, eval_every=0, eval_windows=())
     path = Path(a.out or Path(__file__).resolve().parents[1] / 'nbs' / 'data' / 'study.json')
-    old = json.loads(path.read_text()) if a.append and path.exists() else {'batches': [], 'results': []}
-    t0 = time.time()
-    results = run_study(runs, workers=a.workers)
-    batch = len(old['batches'])
-    for r in results: r['batch'] = batch
-    out = {'recipe': data_recipe(), 'torch': torch.__version__,
-           'batches': old['batches'] + [{'argv': sys.argv[1:] if argv is None else argv,
-                                         'wall_seconds': time.time() - t0, 'runs': len(results)}],
-           'results': old['results'] + results}
-    if old['batches'] and old.get('recipe') != out['recipe']: sys.exit('--append: the data recipe changed; start anew')
-    failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for r in results if 'error' in r]
+    out = json.loads(path.read_text()) if a.phase != 'all' and path.exists() else {}
+    out.update(recipe=data_recipe(), torch=torch.__version__)
+    out.setdefault('phases', {})
+    for phase, runs in (('train', train), ('timing', timing)):
+        if a.phase not in ('all', phase): continue
+        t0 = time.time()
+        out['results' if phase == 'train' else 'timing'] = run_study(runs, workers=a.workers)
+        out['phases'][phase] = {'argv': sys.argv[1:] if argv is None else argv, 'wall_seconds': time.time() - t0,
+                                'runs': len(runs), 'date': time.strftime('%Y-%m-%d')}
+        print(f"{phase}: {len(runs)} runs in {out['phases'][phase]['wall_seconds']:.0f} s", flush=True)
+    failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for r in out.get('results', []) + out.get('timing', [])
+              if 'error' in r]
     if a.out or not a.smoke:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))
-        print(f"wrote {path} (batch {batch}: {len(results)} runs, {out['batches'][-1]['wall_seconds']:.0f} s)")
+        print(f"wrote {path}")
     else:
-        for r in results: print(r['label'], r['seed'], r.get('bpb', r.get('error')))
+        for r in out['results']: print(r['label'], r['seed'], r.get('bpb', r.get('error')))
     if failed: sys.exit("failed runs:\n" + '\n'.join(failed))
     return out
 

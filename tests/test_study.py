@@ -33,10 +33,14 @@ def test_smoke_run(method, mem_len):
     if method == 'absolute': assert r['bpb']['64'].startswith('refused')  # a refusal is reported, never a number
     else: assert isinstance(r['bpb']['64'], float)
 
-def test_cli_smoke():
-    r = subprocess.run([sys.executable, '-m', 'bench.study', '--smoke', '--workers', '1', '--methods', 'none', 'xl'],
-                       capture_output=True, text=True, timeout=600)
+def test_cli_smoke(tmp_path):
+    out = tmp_path / 'study.json'
+    r = subprocess.run([sys.executable, '-m', 'bench.study', '--smoke', '--workers', '1', '--methods', 'none', 'xl',
+                        '--out', str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert [r['label'] for r in res['results']] == ['none', 'xl'] and set(res['phases']) == {'train', 'timing'}
+    assert all(r['step_time'] > 0 and r['bpb'] == {} for r in res['timing'])
 
 def test_extend_position_tables_keeps_trained_lengths_and_clips_beyond():
     torch.manual_seed(0)
