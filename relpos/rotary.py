@@ -36,7 +36,7 @@ def rotary_inv_freq(rotary_dim:int,          # rotated features per head; even
                     dtype:torch.dtype=torch.float32, # float32 as in transformers' LLaMA; float64 for gradcheck
                     device=None,
                    ) -> torch.Tensor:        # `[rotary_dim // 2]`: theta_d = base ** (-2d / rotary_dim)
-    "The angular frequencies $\\theta_d = \\text{base}^{-2d/\\text{rotary\\_dim}}$, computed as transformers' LLaMA computes them."
+    "The angular frequencies $\\theta_d = \\text{base}^{-2d/\\text{rotary_dim}}$, computed as transformers' LLaMA computes them."
     rotary_dim, base = _check_rotary_dim(rotary_dim), _check_base(base)
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).to(dtype) / rotary_dim
     return 1.0 / (base ** exponent)

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import functorch_active, differentiable_backward, check_chunk_size
+from .mha import functorch_active, differentiable_backward, check_chunk_size, size_or_one
 
 # %% ../nbs/03_shaw.ipynb #0cc63030
 def _check_length(x, name:str) -> int:
@@ -351,8 +351,8 @@ class RelationAwareMultiHeadAttention(nn.Module):
             raise TypeError(f"mask must be a torch.Tensor [batch, seq_len_k] (0 = padding), got {type(mask).__name__}")
         if mask.dtype.is_complex:
             raise TypeError(f"mask must be bool, integer or floating point (0 = padding), got dtype {mask.dtype}")
-        if not (mask.dim() in (2, 3) and mask.shape[0] in (1, b) and mask.shape[-1] == sk
-                and (mask.dim() == 2 or mask.shape[1] in (1, sq))):
+        if not (mask.dim() in (2, 3) and size_or_one(mask.shape[0], b) and mask.shape[-1] == sk
+                and (mask.dim() == 2 or size_or_one(mask.shape[1], sq))):
             raise ValueError(f"mask must have shape [batch, seq_len_k] = [{b} or 1, {sk}] (0 = padding key) or "
                              f"[batch, seq_len_q, seq_len_k] = [{b} or 1, {sq} or 1, {sk}], got {tuple(mask.shape)}")
         if mask.device != w.device:

@@ -334,6 +334,13 @@ def resolve_links(body, page, ids, old2new):
             if cand in have: return cand
         low = {i.lower(): i for i in have}
         return low.get(frag.lower(), frag)
+    def unlink_private(m):
+        # nbdev links every exported name in backticks, `_private` helpers too, but only public names get a
+        # show_doc anchor: such a link would open the page at its top, so the name stays plain code
+        pg, frag = m.group(1), m.group(2)
+        have = ids.get(pg or page)
+        return m.group(3) if have is not None and target(pg or page, frag) not in have else m.group(0)
+    body = re.sub(r'<a href="((?:[^"#:/?]+\.html)?)#(_[^"]*)"[^>]*>(<code>[^<]*</code>)</a>', unlink_private, body)
     def sub(m):
         pg, frag = m.group(1), m.group(2)
         return f'href="{pg}#{target(pg or page, frag)}"'
