@@ -16,7 +16,7 @@ def attention_modules():
     specs = [('mha', 'MultiHeadAttention', {}), ('relative_mha', 'RelativeMultiHeadAttention', {}),
              ('relative_mha', 'XLRelativeMultiHeadAttention', {}),
              ('fourier', 'FourierMultiHeadAttention', dict(max_number_of_keys=16, position_vector_size=8)),
-             ('rotary', 'RotaryMultiHeadAttention', {}), ('alibi', 'AlibiMultiHeadAttention', {}), ('t5', 'T5MultiHeadAttention', {})]
+             ('rotary', 'RotaryMultiHeadAttention', {}), ('alibi', 'ALiBiMultiHeadAttention', {}), ('t5', 'T5MultiHeadAttention', {})]
     for mod, cls, kw in specs:
         try: m = importlib.import_module(f'relpos.{mod}')
         except ModuleNotFoundError: continue
@@ -38,8 +38,11 @@ def check_attention(make):
         outs.append((y, g))
     (y0, g0), (y1, g1) = outs
     torch.testing.assert_close(y0, y1, rtol=1e-4, atol=1e-5)
+    # atol relative to the largest gradient entry: a gradient that is zero in exact arithmetic (the key bias's:
+    # softmax ignores a constant added to a row of scores) holds only rounding noise, different on each path
+    scale = max(b.abs().max().item() for b in g1 if b is not None)
     for a, b in zip(g0, g1):
-        if a is not None or b is not None: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        if a is not None or b is not None: torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 * scale)
 
 def check_shaw():
     from relpos.shaw import RelationAwareMultiHeadAttention
