@@ -51,11 +51,12 @@ docs: export
 bench: env
 	$(BIN)/python -m bench
 
-# The chapter "Which method?": execute it with its slow cells, which train every position method (bench/study.py,
-# results in nbs/data/study.json), so that its tables and pictures come from that run.
+# The chapter "Which method?": train every position method (bench/study.py, results in nbs/data/study.json; about an
+# hour on 2 cores), then execute the chapter and the docs home, whose tables and pictures are read from those results.
 STUDY_NB := nbs/11_which_method.ipynb
 study: env
-	$(BIN)/python tools/execute_nb.py --with-slow $(STUDY_NB) && $(BIN)/nbdev_clean --fname $(STUDY_NB)
+	$(BIN)/python -m bench.study
+	$(BIN)/python tools/execute_nb.py $(STUDY_NB) nbs/index.ipynb && $(BIN)/nbdev_clean --fname $(STUDY_NB) && $(BIN)/nbdev_clean --fname nbs/index.ipynb
 
 # The oldest torch that settings.ini claims, in a venv of its own (outside `make test`: from PyPI this is a
 # CUDA build of several GB). tools/smoke.py runs every module's fast and readable paths and compares them.

@@ -85,28 +85,13 @@ def bits_per_byte(model, data:torch.Tensor, window:int, seq:int, ends, segmented
     model.train()
     return total / count / math.log(2)
 
-def extend_position_tables(model, max_distance:int) -> int:
-    """Copy each learned Transformer-XL table's row for distance `max_distance` into the rows of every longer
-    (past) distance: the same as clipping distances at `max_distance`, as Shaw et al. and T5 do, so rows that
-    training never reached stop holding their initial zeros. Outputs at distances up to `max_distance` do not change.
-    Returns the number of attention modules changed."""
-    from relpos.relative_mha import RelativeMultiHeadAttention
-    changed = 0
-    for m in model.modules():
-        if isinstance(m, RelativeMultiHeadAttention):
-            lo = m.P - max_distance   # row P - d serves a key d positions before the query
-            with torch.no_grad():
-                m.key_pos_embeddings[:lo] = m.key_pos_embeddings[lo]
-                m.key_pos_bias[:lo] = m.key_pos_bias[lo]
-            changed += 1
-    return changed
-
 def train_run(method:str, seed:int, steps:int=300, batch:int=16, seq:int=128, d_model:int=128, heads:int=4,
               n_layers:int=3, mem_len:int=0, lr:float=2e-3, warmup:int=30, eval_every:int=50, # 0: no curve
               eval_windows=(128, 512, 1024), n_eval:int=48, data_scale:float=1.0) -> dict:
     "Train one `DecoderLM(position=method)` and evaluate it; returns the curves, bits per byte, time and memory."
     torch.set_num_threads(1)
     from relpos.models import DecoderLM
+    from relpos.relative_mha import extend_position_tables
     train = torch.frombuffer(bytearray(study_text('train')), dtype=torch.uint8).long()
     val = torch.frombuffer(bytearray(study_text('val')), dtype=torch.uint8).long()
     if data_scale < 1: train, val = train[:int(len(train) * data_scale)], val[:int(len(val) * data_scale)]
@@ -147,7 +132,7 @@ def train_run(method:str, seed:int, steps:int=300, batch:int=16, seq:int=128, d_
     keep = ('key_pos_bias', 'rotation_matrix', 'relative_attention_bias', 'relative_position_k', 'position_embeddings')
     positions = {k: [round(v, 5) for v in t.flatten().tolist()] + [list(t.shape)] for k, t in model.state_dict().items()
                  if any(w in k for w in keep) and t.numel() <= 16384} if seed == 0 else {}
-    # learned XL tables: the same trained model again with its untrained rows filled (see extend_position_tables);
+    # learned XL tables: the same trained model again with its untrained rows filled (relpos.relative_mha.extend_position_tables);
     # with memory, evaluation reads segments with a bounded memory and never reaches an untrained row
     extended = evaluate() if eval_windows and not mem_len and extend_position_tables(model, seq - 1) else None
     return {'method': method, 'seed': seed, 'mem_len': mem_len, 'bpb': bpb, 'bpb_extended': extended,
@@ -184,6 +169,84 @@ def run_study(runs:list, workers:int=2) -> list:
         else: os.environ['OMP_NUM_THREADS'] = env_threads
     for label, r in zip(labels, results): r['label'] = label
     return results
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading the results (the chapter and the docs home)
+# ---------------------------------------------------------------------------------------------------------------
+class StudyResults:
+    "The stored study (`nbs/data/study.json`) with the summaries the chapter and the docs home print."
+    def __init__(self, res:dict):
+        self.res = res
+        self.labels = list(dict.fromkeys(r['label'] for r in res['results']))
+        self.windows = sorted({int(w) for r in res['results'] for w in r.get('bpb', {})})
+        self.seq, self.long = self.windows[0], self.windows[-1]   # the training length is the first window
+
+    @classmethod
+    def load(cls, path=None):
+        return cls(json.loads(Path(path or Path(__file__).resolve().parents[1] / 'nbs' / 'data' / 'study.json').read_text()))
+
+    def runs(self, label, part='results'): return [r for r in self.res[part] if r['label'] == label and 'error' not in r]
+
+    def bpb(self, label, window, extended=False):
+        "Mean and sample standard deviation over seeds of bits per byte, or the refusal message."
+        vals = [(r['bpb_extended'] if extended else r['bpb'])[str(window)] for r in self.runs(label)]
+        if any(isinstance(v, str) for v in vals): return next(v for v in vals if isinstance(v, str))
+        return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+    def mean(self, label, window, extended=False):
+        "Mean bits per byte; infinity for a refusal."
+        v = self.bpb(label, window, extended)
+        return math.inf if isinstance(v, str) else v[0]
+
+    def fmt(self, label, window, extended=False):
+        v = self.bpb(label, window, extended)
+        return 'refused' if isinstance(v, str) else f'{v[0]:.3f} ± {v[1]:.3f}'
+
+    def step_time(self, label):   # median over the interleaved timing runs of each run's median step
+        return statistics.median(r['step_time'] for r in self.runs(label, 'timing'))
+
+    def time_ratio(self, label): return self.step_time(label) / self.step_time('none')
+    def memory_mib(self, label): return max(r['peak_bytes'] for r in self.runs(label, 'timing')) / 2**20
+
+    def one_pass(self): return [l for l in self.labels if l != 'xl+memory']   # the whole window in one forward
+
+    def verdicts(self) -> dict:
+        "The facts behind the 'which to use' table."
+        m, seq, long = self.one_pass(), self.seq, self.long
+        best_short = min(m, key=lambda l: self.mean(l, seq))
+        near = [l for l in m if self.mean(l, seq) <= self.mean(best_short, seq) + 0.02]   # within 0.02 bits of it
+        refused = [l for l in m if self.mean(l, long) == math.inf]
+        rise = {l: self.mean(l, long) - self.mean(l, seq) for l in m if l not in refused}
+        return dict(best_short=best_short, near=near, cheapest_near=min(near, key=self.time_ratio),
+                    best_long=min(m, key=lambda l: self.mean(l, long)), refused=refused, rise=rise,
+                    worse=sorted((l for l in rise if rise[l] > 0.25), key=rise.get, reverse=True))
+
+    def which_to_use(self) -> str:
+        "Markdown table: what to pick for which need, with the numbers that say so."
+        v, seq, long = self.verdicts(), self.seq, self.long
+        b = lambda l, w=seq: f'{self.mean(l, w):.3f}'
+        others = ', '.join(f'`{l}` {b(l)}' for l in v['near'] if l != v['best_short'])
+        rows = [('the best quality at the length you train on', f"`{v['best_short']}`",
+                 f"{b(v['best_short'])} at {seq}" + (f'; within 0.02: {others}' if others else '')),
+                ('that quality for the least time per step', f"`{v['cheapest_near']}`",
+                 f"{self.time_ratio(v['cheapest_near']):.2f}× the step time of no position method"),
+                ('texts longer than you trained on, read in one pass', f"`{v['best_long']}`",
+                 f"{b(v['best_long'], long)} at {long} ({b(v['best_long'])} at {seq})"),
+                ('long texts read segment by segment', '`xl` with `mem_len`',
+                 f"`xl+memory`: {b('xl+memory', long)} at {long}")]
+        if v['worse'] or v['refused']:
+            rows.append(('not, beyond the training length', ', '.join(f'`{l}`' for l in v['worse'] + v['refused']),
+                         '; '.join([f'`{l}` {b(l)} → {b(l, long)}' for l in v['worse']]
+                                   + [f'`{l}` refuses longer inputs' for l in v['refused']])))
+        head = '| if you need | use | evidence (bits per byte, mean over seeds; lower is better) |\n|---|---|---|\n'
+        return head + '\n'.join(f'| {a} | {u} | {e} |' for a, u, e in rows)
+
+    def table(self) -> str:
+        "Markdown table of every variant: parameters, bits per byte at each window, step time and memory."
+        head = ['method', 'params'] + [f'bpb @ {w}' for w in self.windows] + ['step time vs none', 'memory growth in training (MiB)']
+        rows = [[f'`{l}`', f"{self.runs(l)[0]['params']:,}"] + [self.fmt(l, w) for w in self.windows]
+                + [f'{self.time_ratio(l):.2f}×', f'{self.memory_mib(l):.0f}'] for l in self.labels]
+        return '\n'.join(['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows])
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -240,7 +240,7 @@ def test_model_input_errors_and_empty_inputs():
     for fn, match in [(lambda: m(tok.float()), 'x'), (lambda: m(tok[..., None]), 'x'), (lambda: m(tok.tolist()), 'x'),
                       (lambda: m(tok + 11), 'n_vocab=11'), (lambda: m(tok - 11), 'n_vocab=11'),
                       (lambda: m(tok, mem[:1]), 'mem'), (lambda: m(tok, [t[..., :4] for t in mem]), 'mem'),
-                      (lambda: m(tok, [t[:, :1] for t in mem]), 'mem'), (lambda: m(torch.randint(0, 11, (4097, 2))), 'TransformerXLModel\(..., P=4097\)')]:
+                      (lambda: m(tok, [t[:, :1] for t in mem]), 'mem'), (lambda: m(torch.randint(0, 11, (4097, 2))), r'TransformerXLModel\(..., P=4097\)')]:
         with pytest.raises((ValueError, TypeError), match=match): fn()
     out, new_mem = m(tok[:0], mem)
     assert out.shape == (0, 2, 11) and all(torch.equal(a, b) for a, b in zip(new_mem, mem))

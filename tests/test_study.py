@@ -1,7 +1,8 @@
 "The study harness (bench/study.py) end to end at toy size: data recipe, batches, training, evaluation, refusals."
 import json, subprocess, sys
 import pytest, torch
-from bench.study import study_text, data_recipe, stream_batch, train_run, lr_at, extend_position_tables
+from bench.study import study_text, data_recipe, stream_batch, train_run, lr_at
+from relpos.relative_mha import extend_position_tables
 from relpos.models import DecoderLM
 
 def test_data_is_split_and_fixed():
@@ -54,3 +55,24 @@ def test_extend_position_tables_keeps_trained_lengths_and_clips_beyond():
     for a in (mod for mod in m.modules() if hasattr(mod, 'key_pos_bias')):
         P = a.P
         assert torch.equal(a.key_pos_bias[:P - 15], a.key_pos_bias[P - 15].expand(P - 15, -1))
+
+def _fake(label, seed, b128, b1024, step):
+    bpb = {'128': b128, '1024': b1024}
+    return {'label': label, 'seed': seed, 'bpb': bpb, 'bpb_extended': None, 'step_time': step, 'peak_bytes': 2**20, 'params': 10}
+
+def test_study_results_summaries_follow_the_numbers():
+    from bench.study import StudyResults
+    spec = {'none': (2.0, 2.1, 1.0), 'xl': (1.50, 2.5, 1.5), 'alibi': (1.51, 1.45, 1.1), 'absolute': (1.8, 'refused: max_len', 0.9),
+            'xl+memory': (1.49, 1.40, 1.6)}
+    res = {'results': [_fake(l, s, a + 0.001 * s, b if isinstance(b, str) else b + 0.001 * s, t) for s in range(3) for l, (a, b, t) in spec.items()]}
+    res['timing'] = [_fake(l, s, 0, 0, t) for s in range(2) for l, (_, _, t) in spec.items()]
+    R = StudyResults(res)
+    assert (R.seq, R.long) == (128, 1024)
+    v = R.verdicts()
+    assert v['best_short'] == 'xl' and v['near'] == ['xl', 'alibi'] and v['cheapest_near'] == 'alibi'
+    assert v['best_long'] == 'alibi' and v['refused'] == ['absolute'] and v['worse'] == ['xl']   # xl+memory: not one pass
+    assert R.fmt('absolute', 1024) == 'refused' and R.mean('absolute', 1024) == float('inf')
+    assert abs(R.time_ratio('xl') - 1.5) < 1e-12
+    table = R.which_to_use()
+    assert '| texts longer than you trained on, read in one pass | `alibi` |' in table and '`absolute` refuses longer inputs' in table
+    assert R.table().count('\n') == 1 + len(spec)
