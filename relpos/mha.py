@@ -52,6 +52,14 @@ class PrepareForMultiHeadAttention(nn.Module):
         return self.linear(x).unflatten(-1, (self.heads, self.d_k))
 
 # %% ../nbs/01_mha.ipynb #8401ec3b
+def _refuse_graph_through_fused_sdpa(grad):
+    "Gradient hook on a fused SDPA output: a backward with `create_graph=True` (grad mode on) stops with the way out."
+    if torch.is_grad_enabled():
+        raise RuntimeError("higher-order gradients (create_graph=True) through the scaled_dot_product_attention fast path: "
+                           "torch's fused kernels have no double backward. Call the module with need_weights=True "
+                           "(the readable path, differentiable to any order).")
+    return grad
+
 class MultiHeadAttention(nn.Module):
     "Multi-head attention with labml_nn's interface, state_dict and numbers; sequence first."
     def __init__(self,
@@ -160,6 +168,10 @@ class MultiHeadAttention(nn.Module):
             attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float('-inf'))
         x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale,
                                            dropout_p=self.dropout.p if self.training else 0.0)
+        if (x.requires_grad and not (attn_mask is not None and attn_mask.requires_grad)   # else: SDPA's math kernel
+                and not (q.dtype == torch.float64 and q.device.type != 'cpu')         # (CUDA float64: math kernel too)
+                and not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()):
+            x.register_hook(_refuse_graph_through_fused_sdpa)   # see "Fast paths, higher-order gradients" below
         if row_ok is not None: x = x * row_ok
         # torch 2.13's fused CPU kernel returns 0, not NaN, for a query row holding a NaN/Inf when no
         # mask is given; the readable path gives NaN. Put the NaN back so that it is never hidden.

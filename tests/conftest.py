@@ -49,3 +49,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for l in notable[:10]: tr.write_line("  " + l)
     if len(notable) > 10: tr.write_line(f"  ... and {len(notable) - 10} more")
     tr.write_line(f"full table: {os.path.relpath(REPORT)}")
+
+
+import pytest
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    "Every test compiles from scratch: Dynamo's caches are per process (its recompile limit of 8 per code object, automatic"
+    " dynamic shapes), so a test's outcome would otherwise depend on which tests ran before it in the same worker."
+    if 'torch._dynamo' in sys.modules: sys.modules['torch._dynamo'].reset()
+    yield
