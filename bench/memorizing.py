@@ -1,5 +1,8 @@
-"Benchmark for `relpos.memorizing` (nbs/10_memorizing.ipynb): exact `KNNMemory.search` against the bare [queries, capacity] matmul it is built on."
+"""Benchmark for `relpos.memorizing` (nbs/10_memorizing.ipynb): exact `KNNMemory.search` against the bare [queries, capacity]
+matmul it is built on; a DecoderLM training step with one kNN layer against the same model without it."""
+import statistics, time
 import torch
+import torch.nn.functional as F
 from relpos.memorizing import KNNMemory
 from relpos.bench import bench_table
 
@@ -24,11 +27,71 @@ def make_search(n_q=512, heads=8, capacity=65536, head_dim=64, top_k=32):
     q = torch.randn(1, heads, n_q, head_dim)
     return (lambda q: m.search(q, top_k)[0]), (q,)
 
-def main(reps=5, capacities=(65536,)):
+def search_table(reps=5, capacities=(65536,)):
     configs = [dict(n_q=512, heads=8, capacity=c, head_dim=64, top_k=32) for c in capacities]
     return bench_table({'matmul': 'bench.memorizing:make_matmul', 'search': 'bench.memorizing:make_search'},
                        configs, baseline='matmul', backward=False, reps=reps,
                        title='Exact top-32 search vs the bare score matmul (batch 1, 8 heads, 512 queries, head_dim 64)')
+
+def make_train_step(knn, capacity=65536, batch=1, n=512, d_model=256, heads=4, layers=4, n_vocab=256, top_k=32, seed=0):
+    """One training step (forward, backward, AdamW) of a DecoderLM('xl', mem_len=n) over a segment of n tokens; with `knn`,
+    its middle layer is a kNN layer whose memory is full (`capacity` entries per batch element and head) before timing;
+    `knn='search'`: that layer's `KNNMemory.search` alone, for one segment's queries."""
+    from relpos.models import DecoderLM
+    torch.manual_seed(seed)
+    extra = dict(memorizing_layers=(layers // 2,), knn_capacity=capacity, top_k=top_k) if knn else {}
+    lm = DecoderLM(n_vocab, d_model, heads, layers, position='xl', mem_len=n, max_len=n, **extra)
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+    tokens = torch.randint(0, n_vocab, (batch, n))
+    state = dict(memory=None)
+    def step():
+        logits, state['memory'] = lm(tokens, state['memory'])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten()) + lm.get_loss_component()
+        opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
+    step()                                   # builds the kNN memory for this batch size
+    for a in lm.memorizing:                  # then fills it: normalised keys, as the layer stores them
+        m, g = a.memory, torch.Generator().manual_seed(seed)
+        for c0 in range(0, capacity, 8192):
+            k = torch.randn(batch, heads, min(8192, capacity - c0), d_model // heads, generator=g)
+            m.add(F.normalize(k, dim=-1), torch.randn(k.shape, generator=g))
+        assert m.size.tolist() == [capacity] * batch
+    if knn == 'search':
+        q = F.normalize(torch.randn(batch, heads, n, d_model // heads), dim=-1)
+        return lambda: lm.memorizing[0].memory.search(q, top_k)
+    return step
+
+TRAIN_CONFIGS = (dict(capacity=65536, batch=1, n=512, d_model=256, heads=4, layers=4),   # DecoderLM's default sizes
+                 dict(capacity=65536, batch=1, n=512, d_model=512, heads=8, layers=8))   # twice as wide, twice as deep
+
+def train_step_table(reps=5, configs=TRAIN_CONFIGS):
+    "Markdown table (bench_table's columns): median time of a training step with and without one kNN layer, repeats interleaved."
+    rows = []
+    for config in configs:
+        steps = {'DecoderLM': make_train_step(False, **config), 'DecoderLM + kNN layer': make_train_step(True, **config),
+                 'kNN search alone': make_train_step('search', **config)}
+        times = {name: [] for name in steps}
+        for step in steps.values(): step()   # warm-up (the kNN memory is already full)
+        for _ in range(reps):                # interleaved: a slow moment of the machine hits both cases alike
+            for name, step in steps.items():
+                t0 = time.perf_counter(); step(); times[name].append(time.perf_counter() - t0)
+        base = statistics.median(times['DecoderLM'])
+        cfg = ' '.join(f"{k}={v}" for k, v in config.items())
+        for name, ts in times.items():
+            t = statistics.median(ts)
+            rows.append(f"| {cfg} | {name} | {t * 1e3:.1f} | {t / base:.2f}× |  |  |")
+        del steps
+    head = ("| config | case | time (ms) | time / DecoderLM | peak (MiB) | peak / DecoderLM |\n"
+            "|---|---|---|---|---|---|")
+    note = (f"torch {torch.__version__}, cpu, {torch.get_num_threads()} threads; forward+backward+AdamW step, "
+            f"median of {reps} interleaved runs; position 'xl', mem_len = n, kNN layer in the middle, top-32")
+    return "\n".join(["**DecoderLM training step with one kNN layer (memory full) vs without**", "", head, *rows, "", note])
+
+def main(reps=5, capacities=(65536,), tables=('search', 'train')):
+    "The chapter's tables: 'search' (exact search vs matmul) and 'train' (training step with vs without a kNN layer)."
+    out = []
+    if 'search' in tables: out.append(search_table(reps, capacities))
+    if 'train' in tables: out.append(train_step_table(reps))
+    return "\n\n".join(out)
 
 def _keys(n, head_dim, clustered, generator):
     "Random keys: isotropic Gaussian (an IVF index's worst case), or around 4096 centres (closer to trained keys)."

@@ -251,3 +251,160 @@ def test_faiss_refuses_and_round_trips():
     m2.load_state_dict(m.state_dict())
     q = torch.randn(1, 2, 3, 4)
     for a, b in zip(m.search(q, 5), m2.search(q, 5)): assert torch.equal(a, b)   # exhaustive: same answer
+
+
+# ---------------------------------------------------------------- DecoderLM(memorizing_layers=...)
+import pickle
+import torch.nn.functional as F
+from relpos.models import DecoderLM, POSITIONS, KNN_LOCAL_POSITIONS
+
+V = 13
+
+
+def knn_lm(position='xl', seed=0, **kw):
+    torch.manual_seed(seed)
+    kw = dict(dict(d_model=16, heads=2, n_layers=2, max_len=8, mem_len=8, memorizing_layers=(1,), knn_capacity=40,
+                   top_k=4), **kw)
+    lm = DecoderLM(V, position=position, **kw).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():   # perturb every parameter: XL's zero tables and the gate's zero bias make checks vacuous
+        for p in lm.parameters(): p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return lm
+
+
+def fill(lm, batch=3, calls=2, n=8, seed=0):
+    "Read `calls` segments of `n` tokens per row (the first flagged as document start); return the XL memory."
+    g, memory = torch.Generator().manual_seed(seed), None
+    with torch.no_grad():
+        for c in range(calls):
+            _, memory = lm(torch.randint(0, V, (batch, n), generator=g), memory,
+                           doc_start=torch.full((batch,), c == 0))
+    return memory
+
+
+def test_decoder_knn_positions_cover_the_registry():
+    "Every position with keys longer than queries in labml's dialect can be a kNN layer's local side; the others refuse."
+    assert set(KNN_LOCAL_POSITIONS) | {'absolute', 'shaw'} == set(POSITIONS)
+    for p in KNN_LOCAL_POSITIONS:
+        lm = knn_lm(p)
+        memory = fill(lm)
+        assert lm.memorizing[0].memory.size.tolist() == [16, 16, 16]
+        logits, _ = lm(torch.randint(0, V, (3, 8)), memory)
+        assert torch.isfinite(logits).all(), p
+    for p in ('absolute', 'shaw'):
+        with pytest.raises(ValueError, match='local side'): knn_lm(p, mem_len=0)
+
+
+def test_decoder_knn_trains_and_loss_falls():
+    "A DecoderLM with a kNN layer trains over consecutive segments (loss + the gate's auxiliary loss) and its loss falls."
+    torch.manual_seed(0)
+    lm = DecoderLM(V, d_model=16, heads=2, n_layers=2, max_len=16, mem_len=16, memorizing_layers=(1,),
+                   knn_capacity=64, top_k=8)
+    opt, g = torch.optim.AdamW(lm.parameters(), lr=1e-2), torch.Generator().manual_seed(0)
+    losses, memory, start = [], None, torch.randint(0, V, (4, 1), generator=g)
+    for step in range(20):
+        doc_start = torch.full((4,), step % 5 == 0)   # documents of 5 segments
+        if step % 5 == 0: start = torch.randint(0, V, (4, 1), generator=g)
+        x = (start + torch.arange(16) + 16 * (step % 5)) % V
+        logits, memory = lm(x, memory, doc_start=doc_start)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        aux = lm.get_loss_component()
+        assert aux.requires_grad and torch.isfinite(aux)
+        opt.zero_grad(); (loss + aux).backward(); opt.step(); losses.append(loss.item())
+        mem = lm.memorizing[0].memory
+        assert not mem.keys.requires_grad and mem.keys.grad is None and mem.keys.grad_fn is None
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    assert lm.get_loss_component().item() == 0                  # taken: nothing pending
+    assert lm.layers[1].self_attn.module.gate.bias.grad.abs().sum() > 0
+    assert not any('memory' in k and 'keys' in k for k in lm.state_dict())   # state_dict: parameters only
+
+
+def test_decoder_doc_start_resets_exactly_the_flagged_rows():
+    "Against brute force: unflagged rows go on as if nothing happened; a flagged row equals the same row read alone from an empty memory."
+    lm = knn_lm()
+    fill(lm)
+    untouched = copy.deepcopy(lm)                    # the same state, no reset
+    alone = copy.deepcopy(lm); alone.release_knn_memory()
+    x = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(5))
+    flags = torch.tensor([False, True, False])
+    with torch.no_grad():
+        got, _ = lm(x, doc_start=flags)
+        want_kept, _ = untouched(x)
+        want_new, _ = alone(x[1:2], doc_start=torch.tensor([True]))
+    torch.testing.assert_close(got[[0, 2]], want_kept[[0, 2]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1:2], want_new, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[1], want_kept[1], atol=1e-3)   # the reset changed the flagged row
+    for mem, ref_kept, ref_new in zip([a.memory for a in lm.memorizing], [a.memory for a in untouched.memorizing],
+                                      [a.memory for a in alone.memorizing]):
+        assert mem.size.tolist() == [24, 8, 24]
+        torch.testing.assert_close(mem.keys[[0, 2], :, :24], ref_kept.keys[[0, 2], :, :24])
+        torch.testing.assert_close(mem.keys[1, :, :8], ref_new.keys[0, :, :8], rtol=1e-5, atol=1e-6)
+    lm.reset_knn_memory(torch.tensor([True, False, True]))
+    assert lm.memorizing[0].memory.size.tolist() == [0, 8, 0]
+
+
+def test_decoder_knn_bad_input():
+    for kw, err, match in [(dict(memorizing_layers=(2,)), ValueError, 'n_layers=2'),
+                           (dict(memorizing_layers=(-1,)), ValueError, 'memorizing_layers'),
+                           (dict(memorizing_layers=(0, 0)), ValueError, 'twice'),
+                           (dict(memorizing_layers=1), TypeError, 'tuple'),
+                           (dict(memorizing_layers=(True,)), ValueError, 'memorizing_layers'),
+                           (dict(top_k=0), ValueError, 'top_k'),
+                           (dict(top_k=2.0), TypeError, 'top_k'),
+                           (dict(knn_capacity=0), ValueError, 'knn_capacity'),
+                           (dict(position='shaw'), ValueError, "position='shaw'"),
+                           (dict(position='absolute', mem_len=0), ValueError, 'local side')]:
+        with pytest.raises(err, match=match): knn_lm(**kw)
+    lm = knn_lm()
+    fill(lm)
+    before = copy.deepcopy(lm.knn_memory_state_dict())
+    x = torch.randint(0, V, (3, 8))
+    for call, err, match in [(lambda: lm(x, doc_start=torch.ones(2, dtype=torch.bool)), ValueError, r'\[batch=3\]'),
+                             (lambda: lm(x, doc_start=torch.ones(3, dtype=torch.long)), TypeError, 'bool'),
+                             (lambda: lm(x, doc_start=[True] * 3), TypeError, 'bool'),
+                             (lambda: lm(x + V, doc_start=torch.ones(3, dtype=torch.bool)), ValueError, 'n_vocab'),
+                             (lambda: lm(x[:2]), ValueError, 'release_knn_memory'),
+                             (lambda: lm(x[:2], doc_start=torch.tensor([True, False])), ValueError, 'release_knn_memory'),
+                             (lambda: lm.generate(x[:2], 2), ValueError, 'release_knn_memory')]:
+        with pytest.raises(err, match=match): call()
+        after = lm.knn_memory_state_dict()       # a refused call changes no memory
+        assert all(torch.equal(after[i][k], before[i][k]) for i in before for k in before[i])
+    lm(x[:2], doc_start=torch.ones(2, dtype=torch.bool))   # every row starts: rebuilt for batch 2
+    assert lm.memorizing[0].memory.batch_size == 2 and lm.memorizing[0].memory.size.tolist() == [8, 8]
+
+
+def test_decoder_knn_copies_and_checkpoint():
+    "deepcopy, pickle, and state_dict + knn_memory_state_dict all continue with the same numbers."
+    lm = knn_lm()
+    memory = fill(lm)
+    state, knn_state = lm.state_dict(), copy.deepcopy(lm.knn_memory_state_dict())
+    resumed = knn_lm(seed=1)
+    resumed.load_state_dict(state, strict=True)
+    resumed.load_knn_memory_state_dict(knn_state)
+    x = torch.randint(0, V, (3, 8))
+    with torch.no_grad():
+        others = [copy.deepcopy(lm), pickle.loads(pickle.dumps(lm)), resumed]
+        want, _ = lm(x, memory)
+        for other in others: torch.testing.assert_close(other(x, memory)[0], want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match='memorizing_layers'): resumed.load_knn_memory_state_dict({0: {}})
+
+
+def test_decoder_knn_generate_equals_segment_by_segment_reading():
+    "generate reads and writes the kNN memories: greedy tokens equal feeding the prompt, then one token per call."
+    lm = knn_lm(mem_len=64)
+    fill(lm)
+    twin = copy.deepcopy(lm)
+    prompt = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(3))
+    flags = torch.tensor([False, True, False])
+    out = lm.generate(prompt, 6, temperature=0, doc_start=flags)
+    tokens = [prompt]
+    with torch.no_grad():
+        logits, memory = twin(prompt, doc_start=flags)
+        for _ in range(5):
+            tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+            logits, memory = twin(tokens[-1], memory)
+        tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+    assert torch.equal(out, torch.cat(tokens, 1))
+    for a, b in zip(lm.memorizing, twin.memorizing):
+        assert a.memory.size.tolist() == b.memory.size.tolist() == [16 + 10, 10, 16 + 10]   # prompt + 5 fed-back tokens
+        torch.testing.assert_close(a.memory.keys, b.memory.keys, rtol=1e-5, atol=1e-6)
