@@ -217,7 +217,8 @@ class StudyResults:
         near = [l for l in m if self.mean(l, seq) <= self.mean(best_short, seq) + 0.02]   # within 0.02 bits of it
         refused = [l for l in m if self.mean(l, long) == math.inf]
         rise = {l: self.mean(l, long) - self.mean(l, seq) for l in m if l not in refused}
-        return dict(best_short=best_short, near=near, cheapest_near=min(near, key=self.time_ratio),
+        memory_helps = 'xl+memory' in self.labels and self.mean('xl+memory', long) < self.mean('xl', long) - 0.01
+        return dict(best_short=best_short, memory_helps=memory_helps, near=near, cheapest_near=min(near, key=self.time_ratio),
                     best_long=min(m, key=lambda l: self.mean(l, long)), refused=refused, rise=rise,
                     worse=sorted((l for l in rise if rise[l] > 0.25), key=rise.get, reverse=True))
 
@@ -233,7 +234,9 @@ class StudyResults:
                 ('texts longer than you trained on, read in one pass', f"`{v['best_long']}`",
                  f"{b(v['best_long'], long)} at {long} ({b(v['best_long'])} at {seq})"),
                 ('long texts read segment by segment', '`xl` with `mem_len`',
-                 f"`xl+memory`: {b('xl+memory', long)} at {long}")]
+                 f"`xl+memory`: {b('xl+memory', long)} at {long}") if v['memory_helps'] else
+                ('long texts read segment by segment', 'no method gained from memory here',
+                 f"`xl+memory` {b('xl+memory', long)} at {long}, against `xl` {b('xl', long)} in one pass")]
         if v['worse'] or v['refused']:
             rows.append(('not, beyond the training length', ', '.join(f'`{l}`' for l in v['worse'] + v['refused']),
                          '; '.join([f'`{l}` {b(l)} → {b(l, long)}' for l in v['worse']]

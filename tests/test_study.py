@@ -71,8 +71,17 @@ def test_study_results_summaries_follow_the_numbers():
     v = R.verdicts()
     assert v['best_short'] == 'xl' and v['near'] == ['xl', 'alibi'] and v['cheapest_near'] == 'alibi'
     assert v['best_long'] == 'alibi' and v['refused'] == ['absolute'] and v['worse'] == ['xl']   # xl+memory: not one pass
+    assert v['memory_helps'] and '| long texts read segment by segment | `xl` with `mem_len` |' in R.which_to_use()
     assert R.fmt('absolute', 1024) == 'refused' and R.mean('absolute', 1024) == float('inf')
     assert abs(R.time_ratio('xl') - 1.5) < 1e-12
     table = R.which_to_use()
     assert '| texts longer than you trained on, read in one pass | `alibi` |' in table and '`absolute` refuses longer inputs' in table
     assert R.table().count('\n') == 1 + len(spec)
+
+def test_study_results_never_recommend_memory_that_did_not_help():
+    from bench.study import StudyResults
+    spec = {'none': (2.0, 2.1), 'xl': (1.5, 1.6), 'xl+memory': (1.6, 1.7)}
+    res = {'results': [_fake(l, s, a, b, 1.0) for s in range(2) for l, (a, b) in spec.items()],
+           'timing': [_fake(l, 0, 0, 0, 1.0) for l in spec]}
+    R = StudyResults(res)
+    assert not R.verdicts()['memory_helps'] and 'no method gained from memory here' in R.which_to_use()
