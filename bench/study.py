@@ -187,19 +187,19 @@ class StudyResults:
 
     def runs(self, label, part='results'): return [r for r in self.res[part] if r['label'] == label and 'error' not in r]
 
-    def bpb(self, label, window, extended=False):
-        "Mean and sample standard deviation over seeds of bits per byte, or the refusal message."
-        vals = [(r['bpb_extended'] if extended else r['bpb'])[str(window)] for r in self.runs(label)]
+    def bpb(self, label, window, extended=False, part='results'):
+        "Mean and sample standard deviation over seeds of bits per byte, or the refusal message; `part='long'`: the larger budget."
+        vals = [(r['bpb_extended'] if extended else r['bpb'])[str(window)] for r in self.runs(label, part)]
         if any(isinstance(v, str) for v in vals): return next(v for v in vals if isinstance(v, str))
         return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
-    def mean(self, label, window, extended=False):
+    def mean(self, label, window, extended=False, part='results'):
         "Mean bits per byte; infinity for a refusal."
-        v = self.bpb(label, window, extended)
+        v = self.bpb(label, window, extended, part)
         return math.inf if isinstance(v, str) else v[0]
 
-    def fmt(self, label, window, extended=False):
-        v = self.bpb(label, window, extended)
+    def fmt(self, label, window, extended=False, part='results'):
+        v = self.bpb(label, window, extended, part)
         return 'refused' if isinstance(v, str) else f'{v[0]:.3f} ± {v[1]:.3f}'
 
     def step_time(self, label):   # median over the interleaved timing runs of each run's median step
@@ -254,8 +254,9 @@ class StudyResults:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--smoke', action='store_true', help='a few steps, two methods, tiny data')
-    ap.add_argument('--phase', choices=('all', 'train', 'timing'), default='all',
-                    help="train: the quality runs; timing: short runs that time a step, for a quiet machine; all: both")
+    ap.add_argument('--phase', choices=('all', 'train', 'timing', 'long'), default='all',
+                    help="train: the quality runs; timing: short runs that time a step, for a quiet machine; long: one seed at "
+                         "4x the steps, to see which results hold with a larger budget; all: the three")
     ap.add_argument('--steps', type=int, default=300)
     ap.add_argument('--seeds', type=int, default=3)
     ap.add_argument('--workers', type=int, default=2)
@@ -270,23 +271,26 @@ def main(argv=None):
         tiny = dict(d_model=32, n_layers=1, data_scale=0.05)
         train = study_runs(methods, range(1), steps=4, eval_every=2, n_eval=4, eval_windows=(128, 256), **tiny)
         timing = study_runs(methods, range(1), steps=12, eval_every=0, eval_windows=(), **tiny)
+        long = study_runs(methods, range(1), steps=8, eval_every=4, n_eval=4, eval_windows=(128, 256), **tiny)
     else:
         train = study_runs(methods, range(a.seeds), variants, steps=a.steps)
         # Step time and memory: every variant twice, interleaved, 40 steps each (the median of the last 30), after
         # the quality runs, so that a quiet machine can give the whole of its two cores to this part alone.
         timing = study_runs(methods, range(2), variants, steps=40, eval_every=0, eval_windows=())
+        # A larger budget: one seed, 4x the steps (the same warm-up, the cosine decay over the longer run), every variant.
+        long = study_runs(methods, range(1), variants, steps=4 * a.steps, eval_every=4 * 50)
     path = Path(a.out or Path(__file__).resolve().parents[1] / 'nbs' / 'data' / 'study.json')
     out = json.loads(path.read_text()) if a.phase != 'all' and path.exists() else {}
     out.update(recipe=data_recipe(), torch=torch.__version__)
     out.setdefault('phases', {})
-    for phase, runs in (('train', train), ('timing', timing)):
+    for phase, runs in (('train', train), ('timing', timing), ('long', long)):
         if a.phase not in ('all', phase): continue
         t0 = time.time()
-        out['results' if phase == 'train' else 'timing'] = run_study(runs, workers=a.workers)
+        out[{'train': 'results'}.get(phase, phase)] = run_study(runs, workers=a.workers)
         out['phases'][phase] = {'argv': sys.argv[1:] if argv is None else argv, 'wall_seconds': time.time() - t0,
                                 'runs': len(runs), 'date': time.strftime('%Y-%m-%d')}
         print(f"{phase}: {len(runs)} runs in {out['phases'][phase]['wall_seconds']:.0f} s", flush=True)
-    failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for r in out.get('results', []) + out.get('timing', [])
+    failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for part in ('results', 'timing', 'long') for r in out.get(part, [])
               if 'error' in r]
     if a.out or not a.smoke:
         path.parent.mkdir(parents=True, exist_ok=True)

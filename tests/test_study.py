@@ -40,7 +40,7 @@ def test_cli_smoke(tmp_path):
                         '--out', str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
-    assert [r['label'] for r in res['results']] == ['none', 'xl'] and set(res['phases']) == {'train', 'timing'}
+    assert [r['label'] for r in res['results']] == ['none', 'xl'] and set(res['phases']) == {'train', 'timing', 'long'}
     assert all(r['step_time'] > 0 and r['bpb'] == {} for r in res['timing'])
 
 def test_extend_position_tables_keeps_trained_lengths_and_clips_beyond():
