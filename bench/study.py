@@ -210,38 +210,54 @@ class StudyResults:
 
     def one_pass(self): return [l for l in self.labels if l != 'xl+memory']   # the whole window in one forward
 
-    def verdicts(self) -> dict:
-        "The facts behind the 'which to use' table."
+    def parts(self): return ['results'] + (['long'] if self.res.get('long') else [])
+
+    def verdicts(self, part='results') -> dict:
+        "The facts behind the 'which to use' table, for the study's budget (`results`) or four times it (`long`)."
         m, seq, long = self.one_pass(), self.seq, self.long
-        best_short = min(m, key=lambda l: self.mean(l, seq))
-        near = [l for l in m if self.mean(l, seq) <= self.mean(best_short, seq) + 0.02]   # within 0.02 bits of it
-        refused = [l for l in m if self.mean(l, long) == math.inf]
-        rise = {l: self.mean(l, long) - self.mean(l, seq) for l in m if l not in refused}
-        memory_helps = 'xl+memory' in self.labels and self.mean('xl+memory', long) < self.mean('xl', long) - 0.01
-        return dict(best_short=best_short, memory_helps=memory_helps, near=near, cheapest_near=min(near, key=self.time_ratio),
-                    best_long=min(m, key=lambda l: self.mean(l, long)), refused=refused, rise=rise,
-                    worse=sorted((l for l in rise if rise[l] > 0.25), key=rise.get, reverse=True))
+        mean = lambda l, w: self.mean(l, w, part=part)
+        best_short = min(m, key=lambda l: mean(l, seq))
+        near = [l for l in m if mean(l, seq) <= mean(best_short, seq) + 0.02]   # within 0.02 bits of it
+        refused = [l for l in m if mean(l, long) == math.inf]
+        rise = {l: mean(l, long) - mean(l, seq) for l in m if l not in refused}
+        memory_helps = 'xl+memory' in self.labels and mean('xl+memory', long) < mean('xl', long) - 0.01
+        return dict(best_short=best_short, memory_helps=memory_helps, near=near,
+                    cheapest_near=min(near, key=self.time_ratio), best_long=min(m, key=lambda l: mean(l, long)),
+                    refused=refused, rise=rise, worse=sorted((l for l in rise if rise[l] > 0.25), key=rise.get, reverse=True))
 
     def which_to_use(self) -> str:
-        "Markdown table: what to pick for which need, with the numbers that say so."
-        v, seq, long = self.verdicts(), self.seq, self.long
-        b = lambda l, w=seq: f'{self.mean(l, w):.3f}'
-        others = ', '.join(f'`{l}` {b(l)}' for l in v['near'] if l != v['best_short'])
-        rows = [('the best quality at the length you train on', f"`{v['best_short']}`",
-                 f"{b(v['best_short'])} at {seq}" + (f'; within 0.02: {others}' if others else '')),
-                ('that quality for the least time per step', f"`{v['cheapest_near']}`",
-                 f"{self.time_ratio(v['cheapest_near']):.2f}× the step time of no position method"),
-                ('texts longer than you trained on, read in one pass', f"`{v['best_long']}`",
-                 f"{b(v['best_long'], long)} at {long} ({b(v['best_long'])} at {seq})"),
-                ('long texts read segment by segment', '`xl` with `mem_len`',
-                 f"`xl+memory`: {b('xl+memory', long)} at {long}") if v['memory_helps'] else
-                ('long texts read segment by segment', 'no method gained from memory here',
-                 f"`xl+memory` {b('xl+memory', long)} at {long}, against `xl` {b('xl', long)} in one pass")]
-        if v['worse'] or v['refused']:
-            rows.append(('not, beyond the training length', ', '.join(f'`{l}`' for l in v['worse'] + v['refused']),
-                         '; '.join([f'`{l}` {b(l)} → {b(l, long)}' for l in v['worse']]
-                                   + [f'`{l}` refuses longer inputs' for l in v['refused']])))
-        head = '| if you need | use | evidence (bits per byte, mean over seeds; lower is better) |\n|---|---|---|\n'
+        "Markdown table: what to pick for which need, with the numbers that say so (and, where run, after 4x the steps)."
+        seq, long, parts = self.seq, self.long, self.parts()
+        v = {p: self.verdicts(p) for p in parts}
+        b = lambda l, w=seq, p='results': f'{self.mean(l, w, part=p):.3f}'
+        x4 = 'after 4× the steps'
+        def pick(key, w):   # the method(s) a verdict names, with the numbers of each budget
+            names = list(dict.fromkeys(v[p][key] for p in parts))
+            ev = '; '.join(f"{'' if p == 'results' else x4 + ': '}`{v[p][key]}` {b(v[p][key], w, p)}" for p in parts)
+            return ', '.join(f'`{n}`' for n in names), ev + f' at {w}'
+        rows = [('the best quality at the length you train on', *pick('best_short', seq)),
+                ('texts longer than you trained on, read in one pass', *pick('best_long', long))]
+        cheap = v['results']['cheapest_near']
+        if cheap != v['results']['best_short']:
+            rows.insert(1, ('that quality for the least time per step', f'`{cheap}`', f'{self.time_ratio(cheap):.2f}× the step time of no position method'))
+        else:
+            rows[0] = (rows[0][0], rows[0][1], rows[0][2] + f'; {self.time_ratio(cheap):.2f}× the step time of no position method')
+        helps = [p for p in parts if v[p]['memory_helps']]
+        mem = '; '.join(f"{'' if p == 'results' else x4 + ': '}`xl+memory` {b('xl+memory', long, p)} against `xl` {b('xl', long, p)} in one pass"
+                        for p in parts)
+        use = ('`xl` with `mem_len`' if helps == parts else '`xl` with `mem_len`, given enough training' if helps
+               else 'no method gained from memory here')
+        rows.append(('long texts read segment by segment', use, mem + f' at {long}'))
+        worse = list(dict.fromkeys(l for p in parts for l in v[p]['worse']))
+        refused = list(dict.fromkeys(l for p in parts for l in v[p]['refused']))
+        if worse or refused:
+            p = parts[-1]
+            rows.append(('not, beyond the training length', ', '.join(f'`{l}`' for l in worse + refused),
+                         '; '.join([f'`{l}` {b(l, seq, p)} → {b(l, long, p)}' for l in worse]
+                                   + [f'`{l}` refuses longer inputs' for l in refused])
+                         + (f' ({x4}, {seq} → {long})' if p == 'long' else f' ({seq} → {long})')))
+        what = 'bits per byte, lower is better: mean over seeds' + ('; after 4× the steps: seed 0' if 'long' in parts else '')
+        head = f'| if you need | use | evidence ({what}) |\n|---|---|---|\n'
         return head + '\n'.join(f'| {a} | {u} | {e} |' for a, u, e in rows)
 
     def table(self) -> str:

@@ -85,3 +85,17 @@ def test_study_results_never_recommend_memory_that_did_not_help():
            'timing': [_fake(l, 0, 0, 0, 1.0) for l in spec]}
     R = StudyResults(res)
     assert not R.verdicts()['memory_helps'] and 'no method gained from memory here' in R.which_to_use()
+
+def test_study_results_with_a_larger_budget_name_both_and_qualify_memory():
+    from bench.study import StudyResults
+    spec = {'none': (2.0, 2.1), 'xl': (1.5, 1.6), 'xl+memory': (1.6, 1.7)}
+    longer = {'none': (1.5, 1.9), 'xl': (1.2, 1.3), 'xl+memory': (1.3, 1.25)}   # memory helps only with more steps
+    res = {'results': [_fake(l, s, a, b, 1.0) for s in range(2) for l, (a, b) in spec.items()],
+           'long': [_fake(l, 0, a, b, 1.0) for l, (a, b) in longer.items()],
+           'timing': [_fake(l, 0, 0, 0, 1.0) for l in spec]}
+    R = StudyResults(res)
+    assert R.parts() == ['results', 'long'] and R.mean('xl', 128, part='long') == 1.2
+    assert not R.verdicts()['memory_helps'] and R.verdicts('long')['memory_helps']
+    table = R.which_to_use()
+    assert '`xl` with `mem_len`, given enough training' in table and 'after 4× the steps: `xl` 1.200 at 128' in table
+    assert '`none` 1.500 → 1.900' in table   # the larger budget's rise beyond the training length
