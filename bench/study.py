@@ -233,8 +233,10 @@ class StudyResults:
         x4 = 'after 4× the steps'
         def pick(key, w):   # the method(s) a verdict names, with the numbers of each budget
             names = list(dict.fromkeys(v[p][key] for p in parts))
-            ev = '; '.join(f"{'' if p == 'results' else x4 + ': '}`{v[p][key]}` {b(v[p][key], w, p)}" for p in parts)
-            return ', '.join(f'`{n}`' for n in names), ev + f' at {w}'
+            name = lambda p: '' if len(names) == 1 else f'`{v[p][key]}` '
+            ev = f"{name('results')}{b(v['results'][key], w)} at {w}" + ''.join(
+                f"; {x4}: {name(p)}{b(v[p][key], w, p)}" for p in parts[1:])
+            return ', '.join(f'`{n}`' for n in names), ev
         rows = [('the best quality at the length you train on', *pick('best_short', seq)),
                 ('texts longer than you trained on, read in one pass', *pick('best_long', long))]
         cheap = v['results']['cheapest_near']
@@ -244,10 +246,10 @@ class StudyResults:
             rows[0] = (rows[0][0], rows[0][1], rows[0][2] + f'; {self.time_ratio(cheap):.2f}× the step time of no position method')
         helps = [p for p in parts if v[p]['memory_helps']]
         mem = '; '.join(f"{'' if p == 'results' else x4 + ': '}`xl+memory` {b('xl+memory', long, p)} against `xl` {b('xl', long, p)} in one pass"
-                        for p in parts)
+                        + (f' at {long}' if p == 'results' else '') for p in parts)
         use = ('`xl` with `mem_len`' if helps == parts else '`xl` with `mem_len`, given enough training' if helps
                else 'no method gained from memory here')
-        rows.append(('long texts read segment by segment', use, mem + f' at {long}'))
+        rows.append(('long texts read segment by segment', use, mem))
         worse = list(dict.fromkeys(l for p in parts for l in v[p]['worse']))
         refused = list(dict.fromkeys(l for p in parts for l in v[p]['refused']))
         if worse or refused:

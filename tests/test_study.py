@@ -97,5 +97,5 @@ def test_study_results_with_a_larger_budget_name_both_and_qualify_memory():
     assert R.parts() == ['results', 'long'] and R.mean('xl', 128, part='long') == 1.2
     assert not R.verdicts()['memory_helps'] and R.verdicts('long')['memory_helps']
     table = R.which_to_use()
-    assert '`xl` with `mem_len`, given enough training' in table and 'after 4× the steps: `xl` 1.200 at 128' in table
+    assert '`xl` with `mem_len`, given enough training' in table and 'after 4× the steps: 1.200' in table
     assert '`none` 1.500 → 1.900' in table   # the larger budget's rise beyond the training length
