@@ -11,7 +11,7 @@ from typing import Optional, List
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention, functorch_active
+from .mha import MultiHeadAttention, functorch_active, guard_double_backward
 from .rotary import is_causal_mask
 
 # %% ../nbs/07_alibi.ipynb #743a8d1c
@@ -107,5 +107,6 @@ class ALiBiMultiHeadAttention(MultiHeadAttention):
         # kernel it dispatches to takes both, skips the blocks above the diagonal and needs no -inf copy of the bias.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [batch, heads, seq, d_k]
         x, _ = _flash_cpu(q, k, v, 0.0, True, attn_mask=self.position_bias(sq, sk).to(q.dtype), scale=self.scale)
+        guard_double_backward(x, q)   # fused kernel: create_graph=True stops with the way out (need_weights=True)
         x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
         return x.permute(2, 0, 1, 3)

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention
+from .mha import MultiHeadAttention, guard_double_backward
 
 # %% ../nbs/06_rotary.ipynb #a48f633b
 def _check_rotary_dim(rotary_dim, d_k:Optional[int]=None) -> int:
@@ -141,5 +141,6 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [batch, heads, seq, d_k]
         x = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                            dropout_p=self.dropout.p if self.training else 0.0)
+        guard_double_backward(x, q)   # fused kernel: create_graph=True stops with the way out (need_weights=True)
         x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
         return x.permute(2, 0, 1, 3)

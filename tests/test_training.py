@@ -309,3 +309,32 @@ def test_no_more_workers_than_usable_cpus():
     lines = dict(l.split(" ", 1) for l in r.stdout.strip().splitlines())
     assert lines["4"].startswith("0 4 "), lines["4"]      # no worker thread; the caller's thread count restored
     assert lines["1"] == "0 1 []", lines["1"]             # one thread: no pool and no set_num_threads call
+
+
+# ------------------------------------------------------------------ higher-order gradients: work or name the way out
+@pytest.mark.parametrize("name", ["mha", "rotary", "alibi", "t5", "relative", "xl", "fourier"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_double_backward_works_or_names_need_weights(name, masked):
+    "gradgradcheck passes on the default path, or it stops with an error naming need_weights=True, with which it passes."
+    from relpos.mha import MultiHeadAttention
+    from relpos.rotary import RotaryMultiHeadAttention
+    from relpos.alibi import ALiBiMultiHeadAttention
+    from relpos.t5 import T5MultiHeadAttention
+    from relpos.relative_mha import RelativeMultiHeadAttention, XLRelativeMultiHeadAttention
+    from relpos.fourier import FourierMultiHeadAttention
+    make = {"mha": MultiHeadAttention, "rotary": RotaryMultiHeadAttention, "alibi": ALiBiMultiHeadAttention,
+            "t5": T5MultiHeadAttention, "relative": lambda *a, **k: RelativeMultiHeadAttention(*a, P=16, **k),
+            "xl": XLRelativeMultiHeadAttention,
+            "fourier": lambda *a, **k: FourierMultiHeadAttention(*a, max_number_of_keys=16, position_vector_size=8, **k)}[name]
+    torch.manual_seed(0)
+    m = make(2, 8, dropout_prob=0.0).double()
+    with torch.no_grad():
+        for p in m.parameters(): p.normal_(std=0.3)
+    x = torch.randn(5, 2, 8, dtype=torch.float64, requires_grad=True)
+    mask = (torch.arange(5)[None, :] <= torch.arange(5)[:, None])[..., None] if masked else None
+    f = lambda need_weights: (lambda x: m(query=x, key=x, value=x, mask=mask, need_weights=need_weights))
+    try:
+        assert torch.autograd.gradgradcheck(f(False), (x,))
+    except RuntimeError as e:
+        assert "need_weights=True" in str(e), str(e)[:300]
+        assert torch.autograd.gradgradcheck(f(True), (x,))
