@@ -36,10 +36,14 @@ def search_table(reps=5, capacities=(65536,)):
 def make_train_step(knn, capacity=65536, batch=1, n=512, d_model=256, heads=4, layers=4, n_vocab=256, top_k=32, seed=0):
     """One training step (forward, backward, AdamW) of a DecoderLM('xl', mem_len=n) over a segment of n tokens; with `knn`,
     its middle layer is a kNN layer whose memory is full (`capacity` entries per batch element and head) before timing;
-    `knn='search'`: that layer's `KNNMemory.search` alone, for one segment's queries."""
+    `knn='search'`: that layer's `KNNMemory.search` alone, for one segment's queries; `knn='faiss'`: the kNN layer with
+    `knn_memory=FaissKNNMemory` (`FAISS_KWARGS`), its indexes trained on the full memory by the warm-up step."""
     from relpos.models import DecoderLM
     torch.manual_seed(seed)
     extra = dict(memorizing_layers=(layers // 2,), knn_capacity=capacity, top_k=top_k) if knn else {}
+    if knn == 'faiss':   # the approximate backend, FaissKNNMemory's defaults: nlist = sqrt(capacity), nprobe 32
+        from relpos.memorizing import FaissKNNMemory
+        extra.update(knn_memory=FaissKNNMemory, knn_memory_kwargs=FAISS_KWARGS)
     lm = DecoderLM(n_vocab, d_model, heads, layers, position='xl', mem_len=n, max_len=n, **extra)
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     tokens = torch.randint(0, n_vocab, (batch, n))
@@ -60,6 +64,8 @@ def make_train_step(knn, capacity=65536, batch=1, n=512, d_model=256, heads=4, l
         return lambda: lm.memorizing[0].memory.search(q, top_k)
     return step
 
+FAISS_KWARGS = dict(nlist=256, nprobe=32)   # sqrt(65,536) cells, 1/8 of the memory scanned per query
+
 TRAIN_CONFIGS = (dict(capacity=65536, batch=1, n=512, d_model=256, heads=4, layers=4),   # DecoderLM's default sizes
                  dict(capacity=65536, batch=1, n=512, d_model=512, heads=8, layers=8))   # twice as wide, twice as deep
 
@@ -68,7 +74,8 @@ def train_step_table(reps=5, configs=TRAIN_CONFIGS):
     rows = []
     for config in configs:
         steps = {'DecoderLM': make_train_step(False, **config), 'DecoderLM + kNN layer': make_train_step(True, **config),
-                 'kNN search alone': make_train_step('search', **config)}
+                 'kNN search alone': make_train_step('search', **config),
+                 'DecoderLM + kNN layer (faiss)': make_train_step('faiss', **config)}
         times = {name: [] for name in steps}
         for step in steps.values(): step()   # warm-up (the kNN memory is already full)
         for _ in range(reps):                # interleaved: a slow moment of the machine hits both cases alike
@@ -83,7 +90,8 @@ def train_step_table(reps=5, configs=TRAIN_CONFIGS):
     head = ("| config | case | time (ms) | time / DecoderLM | peak (MiB) | peak / DecoderLM |\n"
             "|---|---|---|---|---|---|")
     note = (f"torch {torch.__version__}, cpu, {torch.get_num_threads()} threads; forward+backward+AdamW step, "
-            f"median of {reps} interleaved runs; position 'xl', mem_len = n, kNN layer in the middle, top-32")
+            f"median of {reps} interleaved runs; position 'xl', mem_len = n, kNN layer in the middle, top-32; "
+            f"faiss: FaissKNNMemory {' '.join(f'{k}={v}' for k, v in FAISS_KWARGS.items())}")
     return "\n".join(["**DecoderLM training step with one kNN layer (memory full) vs without**", "", head, *rows, "", note])
 
 def main(reps=5, capacities=(65536,), tables=('search', 'train')):

@@ -6,7 +6,7 @@
 __all__ = ['SEARCH_BLOCK', 'KNNMemory', 'knn_attention', 'MemorizingAttention', 'FaissKNNMemory']
 
 # %% ../nbs/10_memorizing.ipynb #c002
-import math
+import inspect, math
 from typing import Optional, Tuple, Union
 
 import numpy as np
@@ -219,6 +219,25 @@ def _make_gate(gate, heads:int, d_model:int) -> BaseContextChoice:
     if gate == "linear": return ContextChoiceLinear(heads, d_model)
     raise ValueError(f"MemorizingAttention: gate must be 'constant', 'linear' or a BaseContextChoice, got {gate!r}")
 
+_MEMORY_ARGS = ("batch_size", "heads", "head_dim", "capacity", "dtype", "device")   # set by the layer, not by the user
+
+def _check_knn_memory(owner:str, knn_memory, kwargs, chunk_size=None) -> dict:
+    "Check `knn_memory=` (a `KNNMemory` subclass) and `knn_memory_kwargs=` (names its constructor takes); return the kwargs."
+    if not (isinstance(knn_memory, type) and issubclass(knn_memory, KNNMemory)):
+        raise TypeError(f"{owner}: knn_memory must be KNNMemory or a subclass (the class, e.g. FaissKNNMemory), "
+                        f"got {knn_memory!r}")
+    if kwargs is None: kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise TypeError(f"{owner}: knn_memory_kwargs must be a dict or None, got {type(kwargs).__name__}")
+    taken = [k for k in kwargs if k in _MEMORY_ARGS or (k == "chunk_size" and chunk_size is not None)]
+    if taken:
+        raise ValueError(f"{owner}: knn_memory_kwargs may not set {taken}: the layer sets them")
+    try:   # unknown or misspelt names fail now, not at the first forward
+        inspect.signature(knn_memory).bind(1, 1, 1, 1, dtype=torch.float32, device=None, **{"chunk_size": chunk_size, **kwargs})
+    except TypeError as e:
+        raise TypeError(f"{owner}: knn_memory_kwargs {sorted(kwargs)} do not fit {knn_memory.__name__}: {e}") from None
+    return dict(kwargs)
+
 # %% ../nbs/10_memorizing.ipynb #c021
 class MemorizingAttention(nn.Module):
     "Local causal attention over [XL memory, segment] plus attention over top-k pairs retrieved from a kNN memory, mixed per head by a gate."
@@ -233,6 +252,8 @@ class MemorizingAttention(nn.Module):
                  normalize:bool=True,     # L2-normalise the kNN side's queries and keys (the paper's fix for stale keys)
                  knn_scale:float=20.0,    # initial temperature of the normalised kNN scores (learned per head)
                  chunk_size:Optional[int]=None, # `KNNMemory` search chunk (None: automatic)
+                 knn_memory:type=KNNMemory, # the memory's class: `KNNMemory` (exact, the default) or a subclass, e.g. `FaissKNNMemory`
+                 knn_memory_kwargs:Optional[dict]=None, # more arguments for it, e.g. `dict(nprobe=32)`
                 ):
         super().__init__()
         _positive_int("MemorizingAttention", "knn_capacity", knn_capacity)
@@ -248,6 +269,9 @@ class MemorizingAttention(nn.Module):
             raise ValueError(f"MemorizingAttention: knn_scale must be a positive number, got {knn_scale!r}")
         self.heads, self.d_model, self.d_k = heads, d_model, d_model // heads
         self.knn_capacity, self.top_k, self.normalize, self.chunk_size = knn_capacity, top_k, normalize, chunk_size
+        self.knn_memory_kwargs = _check_knn_memory("MemorizingAttention", knn_memory, knn_memory_kwargs, chunk_size)
+        self.knn_memory = knn_memory
+        self.chunk_size = self.knn_memory_kwargs.pop("chunk_size", chunk_size)   # given either way, passed once
         self.local = local
         self.gate = _make_gate(gate, heads, d_model)
         self.knn_dropout = nn.Dropout(dropout_prob)
@@ -262,9 +286,9 @@ class MemorizingAttention(nn.Module):
     def _memory_for(self, batch_size:int, device) -> KNNMemory:
         "The kNN memory, built on first use for this batch size, in the parameters' dtype (whatever autocast says)."
         if self.memory is None:
-            self.__dict__["memory"] = KNNMemory(batch_size, self.heads, self.d_k, self.knn_capacity,
-                                                dtype=self.local.output.weight.dtype, device=device,
-                                                chunk_size=self.chunk_size)
+            self.__dict__["memory"] = self.knn_memory(batch_size, self.heads, self.d_k, self.knn_capacity,
+                                                      dtype=self.local.output.weight.dtype, device=device,
+                                                      chunk_size=self.chunk_size, **self.knn_memory_kwargs)
         elif self.memory.batch_size != batch_size:
             raise ValueError(f"MemorizingAttention: the kNN memory holds {self.memory.batch_size} documents but the "
                              f"input has batch {batch_size}; call release_memory() to start over with a new batch size")
@@ -300,9 +324,10 @@ class MemorizingAttention(nn.Module):
         self._memory_for(b, self.local.output.weight.device).load_state_dict(state)
 
     def _apply(self, fn, *args, **kwargs):
-        # .to(device), .double(), .cuda() move the memory with the parameters
-        super()._apply(fn, *args, **kwargs)
+        # .to(device), .double(), .cuda() move the memory with the parameters (the memory first: one that
+        # refuses the move, as a FaissKNNMemory refuses anything but float32 on the CPU, leaves the layer unchanged)
         if self.memory is not None: self.memory._apply(fn, *args, **kwargs)
+        super()._apply(fn, *args, **kwargs)
         return self
 
     def get_loss_component(self, strict:bool=False) -> torch.Tensor:
@@ -379,8 +404,9 @@ class FaissKNNMemory(KNNMemory):
                  nlist:Optional[int]=None, # inverted lists (clusters) per index; None: about sqrt(capacity), at least 1
                  nprobe:int=32,            # lists scanned per query: recall against speed
                  train_size:Optional[int]=None, # entries needed before an index is trained (None: 39 * nlist); exact search until then
+                 chunk_size:Optional[int]=None, # chunk of the exact search used until then
                 ):
-        super().__init__(batch_size, heads, head_dim, capacity, dtype=dtype, device=device)
+        super().__init__(batch_size, heads, head_dim, capacity, dtype=dtype, device=device, chunk_size=chunk_size)
         if self.dtype != torch.float32:
             raise TypeError(f"FaissKNNMemory: dtype must be torch.float32 (faiss stores float32), got {self.dtype}")
         if self.keys.device.type != "cpu":
@@ -423,6 +449,27 @@ class FaissKNNMemory(KNNMemory):
         super().clear()
         for index in self._indexes:
             if index is not None: index.reset()
+
+    def _apply(self, fn, *args, **kwargs):
+        # faiss-cpu searches float32 on the CPU: refuse .double(), .half(), .cuda() before anything moves
+        probe = fn(self.keys[:0])
+        if probe.dtype != torch.float32 or probe.device.type != "cpu":
+            raise TypeError(f"FaissKNNMemory holds float32 on the CPU; it cannot become {probe.dtype} on {probe.device} "
+                            "(release the memory first, e.g. release_knn_memory(), or use the exact KNNMemory)")
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        # pickle and copy.deepcopy: the faiss module is imported again, the indexes travel serialised (same answers)
+        getstate = getattr(super(), "__getstate__", None)   # nn.Module defines one in recent torch
+        state = dict(getstate() if getstate is not None else self.__dict__)
+        state["_faiss"] = None
+        state["_indexes"] = [None if ix is None else self._faiss.serialize_index(ix) for ix in self._indexes]
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._faiss = _import_faiss()
+        self._indexes = [None if s is None else self._faiss.deserialize_index(s) for s in self._indexes]
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)

@@ -20,7 +20,7 @@ from .fourier import FourierMultiHeadAttention
 from .rotary import RotaryMultiHeadAttention
 from .alibi import ALiBiMultiHeadAttention
 from .t5 import T5MultiHeadAttention
-from .memorizing import MemorizingAttention
+from .memorizing import MemorizingAttention, KNNMemory, _check_knn_memory
 
 # %% ../nbs/09_models.ipynb #396f09e8
 def _check_int(x, name:str, minimum:int) -> int:
@@ -160,6 +160,8 @@ class DecoderLM(nn.Module):
                  memorizing_layers=(),       # indices of the layers that also attend over a kNN memory (chapter *Memorizing Transformer*)
                  knn_capacity:int=65536,     # kNN memory entries per (batch element, head) in those layers
                  top_k:int=32,               # pairs each query retrieves from the kNN memory
+                 knn_memory:type=KNNMemory,  # the kNN memory's class: exact `KNNMemory`, or approximate `FaissKNNMemory`
+                 knn_memory_kwargs:Optional[dict]=None, # more arguments for it, e.g. `dict(nprobe=32)`
                  **position_kwargs):         # passed to the position method's attention module (e.g. `P=`, `k=`)
         super().__init__()
         _check_int(n_vocab, 'n_vocab', 1); _check_int(d_model, 'd_model', 1); _check_int(heads, 'heads', 1)
@@ -179,6 +181,7 @@ class DecoderLM(nn.Module):
         _check_int(knn_capacity, 'knn_capacity', 1); _check_int(top_k, 'top_k', 1)
         self.memorizing_layers = _check_layers(memorizing_layers, n_layers)
         self.knn_capacity, self.top_k = knn_capacity, top_k
+        self.knn_memory, self.knn_memory_kwargs = knn_memory, _check_knn_memory('DecoderLM', knn_memory, knn_memory_kwargs)
         self.n_vocab, self.d_model, self.heads, self.d_ff, self.dropout_p = n_vocab, d_model, heads, d_ff, dropout
         self.position, self.mem_len, self.max_len, self.position_kwargs = position, mem_len, max_len, position_kwargs
         self.src_embed = nn.Embedding(n_vocab, d_model)
@@ -198,6 +201,9 @@ class DecoderLM(nn.Module):
         name = self.position if isinstance(self.position, str) else getattr(self.position, '__name__', 'custom')
         knn = (f", memorizing_layers={self.memorizing_layers}, knn_capacity={self.knn_capacity}, top_k={self.top_k}"
                if self.memorizing_layers else "")
+        if self.memorizing_layers and self.knn_memory is not KNNMemory:
+            knn += f", knn_memory={self.knn_memory.__name__}"
+            if self.knn_memory_kwargs: knn += f", knn_memory_kwargs={self.knn_memory_kwargs!r}"
         return f"position={name!r}, mem_len={self.mem_len}, max_len={self.max_len}, max_keys={self.max_keys}" + knn
 
     def make_attention(self, layer:int) -> BatchFirstAttention:
@@ -225,7 +231,8 @@ def _make_memorizing(self, layer:int,          # index of the layer
                          f"cannot be the local side of a kNN layer, which needs a relpos.mha.MultiHeadAttention taking keys "
                          f"longer than queries (positions that continue across calls); use one of {KNN_LOCAL_POSITIONS}")
     knn = MemorizingAttention(self.heads, self.d_model, self.dropout_p, knn_capacity=self.knn_capacity,
-                              top_k=self.top_k, local=local)
+                              top_k=self.top_k, local=local, knn_memory=self.knn_memory,
+                              knn_memory_kwargs=self.knn_memory_kwargs)
     return SequenceFirstAttention(knn, supports_memory=True, max_keys=attn.max_keys, max_keys_arg=attn.max_keys_arg)
 
 def _memorizing(self) -> List[MemorizingAttention]:

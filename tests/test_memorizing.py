@@ -408,3 +408,82 @@ def test_decoder_knn_generate_equals_segment_by_segment_reading():
     for a, b in zip(lm.memorizing, twin.memorizing):
         assert a.memory.size.tolist() == b.memory.size.tolist() == [16 + 10, 10, 16 + 10]   # prompt + 5 fed-back tokens
         torch.testing.assert_close(a.memory.keys, b.memory.keys, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- knn_memory=FaissKNNMemory (the approximate backend)
+def faiss_lm(seed=0, **kw):
+    from relpos.memorizing import FaissKNNMemory
+    return knn_lm(seed=seed, knn_memory=FaissKNNMemory, **kw)
+
+
+def test_decoder_faiss_exhaustive_forward_equals_exact():
+    "nprobe = nlist scans every cell: a DecoderLM with the faiss backend computes what the exact one does, segment after segment."
+    pytest.importorskip('faiss')
+    exact = knn_lm()
+    approx = faiss_lm(knn_memory_kwargs=dict(nlist=3, nprobe=3, train_size=12))
+    approx.load_state_dict(exact.state_dict())
+    g, mem_e, mem_a = torch.Generator().manual_seed(3), None, None
+    with torch.no_grad():
+        for step in range(7):   # 56 pairs per row into capacity 40: the indexes are trained, then the ring wraps
+            x = torch.randint(0, V, (3, 8), generator=g)
+            flags = torch.tensor([step == 0, step == 4, step == 0])       # row 1 restarts its document mid-way
+            (le, mem_e), (la, mem_a) = exact(x, mem_e, doc_start=flags), approx(x, mem_a, doc_start=flags)
+            torch.testing.assert_close(la, le, rtol=1e-5, atol=1e-5)
+    memory = approx.memorizing[0].memory
+    assert all(ix is not None for ix in memory._indexes)                 # the faiss path ran, not the exact fallback
+    assert memory.size.tolist() == [40, 24, 40]
+
+
+def test_decoder_faiss_trains_and_copies():
+    "Training with the faiss backend: the loss falls; deepcopy, pickle and the memory state dict continue it."
+    pytest.importorskip('faiss')
+    from relpos.memorizing import FaissKNNMemory
+    torch.manual_seed(0)
+    lm = DecoderLM(V, d_model=16, heads=2, n_layers=2, max_len=16, mem_len=16, memorizing_layers=(1,), knn_capacity=64,
+                   top_k=8, knn_memory=FaissKNNMemory, knn_memory_kwargs=dict(nlist=4, nprobe=2, train_size=32))
+    assert 'knn_memory=FaissKNNMemory' in lm.extra_repr()
+    opt, g = torch.optim.AdamW(lm.parameters(), lr=1e-2), torch.Generator().manual_seed(0)
+    losses, memory = [], None
+    for step in range(20):
+        if step % 5 == 0: start = torch.randint(0, V, (4, 1), generator=g)
+        x = (start + torch.arange(16) + 16 * (step % 5)) % V
+        logits, memory = lm(x, memory, doc_start=torch.full((4,), step % 5 == 0))
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(); (loss + lm.get_loss_component()).backward(); opt.step(); losses.append(loss.item())
+    mem = lm.memorizing[0].memory
+    assert isinstance(mem, FaissKNNMemory) and all(ix is not None for ix in mem._indexes) and not mem.keys.requires_grad
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    lm.eval()
+    x = torch.randint(0, V, (4, 16), generator=g)
+    twins = [copy.deepcopy(lm), pickle.loads(pickle.dumps(lm))]          # indexes copied: the same approximate answers
+    with torch.no_grad():
+        want, _ = lm(x, memory)
+        for twin in twins:
+            assert isinstance(twin.memorizing[0].memory, FaissKNNMemory)
+            torch.testing.assert_close(twin(x, memory)[0], want, rtol=0, atol=0)
+    # the memory state dict holds the buffers: an exact model loads it (a faiss one retrains its indexes from it)
+    exact = DecoderLM(V, d_model=16, heads=2, n_layers=2, max_len=16, mem_len=16, memorizing_layers=(1,),
+                      knn_capacity=64, top_k=8)
+    exact.load_state_dict(lm.state_dict()); exact.load_knn_memory_state_dict(lm.knn_memory_state_dict())
+    assert torch.equal(exact.memorizing[0].memory.keys, lm.memorizing[0].memory.keys)
+    with pytest.raises(TypeError, match='float32'): lm.double()            # faiss stores float32: refused
+    layer = lm.memorizing[0]                                               # the kNN layer itself did not move
+    assert layer.memory.dtype == layer.local.output.weight.dtype == torch.float32
+
+
+def test_knn_memory_argument_refused():
+    from relpos.memorizing import FaissKNNMemory
+    for kw, err, match in [(dict(knn_memory='faiss'), TypeError, 'KNNMemory or a subclass'),
+                           (dict(knn_memory=torch.nn.Linear), TypeError, 'KNNMemory or a subclass'),
+                           (dict(knn_memory=KNNMemory(1, 1, 1, 1)), TypeError, 'KNNMemory or a subclass'),
+                           (dict(knn_memory_kwargs=[('nprobe', 8)]), TypeError, 'dict'),
+                           (dict(knn_memory_kwargs=dict(nprobe=8)), TypeError, 'nprobe'),          # exact takes no nprobe
+                           (dict(knn_memory=FaissKNNMemory, knn_memory_kwargs=dict(nprob=8)), TypeError, 'nprob'),
+                           (dict(knn_memory_kwargs=dict(capacity=8)), ValueError, 'capacity')]:
+        with pytest.raises(err, match=match): knn_lm(**kw)
+        with pytest.raises(err, match=match): MemorizingAttention(2, 16, **kw)
+    with pytest.raises(ValueError, match='chunk_size'):
+        MemorizingAttention(2, 16, chunk_size=64, knn_memory_kwargs=dict(chunk_size=32))
+    lm = knn_lm(knn_memory_kwargs=dict(chunk_size=5))        # the exact memory's own options go through too
+    fill(lm)
+    assert lm.memorizing[0].memory.chunk_size == 5
