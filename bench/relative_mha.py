@@ -23,7 +23,7 @@ def make_sdpa(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
 
 
 def make_fast(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
-    "RelativeMultiHeadAttention, fast path (blockwise `relative_attention`, softmax kept for backward)."
+    "RelativeMultiHeadAttention, fast path (blockwise `relative_attention`; recompute=None: at these sizes the softmax is kept for backward)."
     return _case(RelativeMultiHeadAttention(heads, d_model, dropout_prob=0.0, P=max(4096, n + mem)),
                  n, batch, d_model, device, mem)
 

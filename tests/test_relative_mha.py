@@ -245,3 +245,22 @@ def test_model_input_errors_and_empty_inputs():
     out, new_mem = m(tok[:0], mem)
     assert out.shape == (0, 2, 11) and all(torch.equal(a, b) for a, b in zip(new_mem, mem))
     assert m(tok[:, :0])[0].shape == (5, 0, 11)
+
+
+def test_recompute_none_decides_by_size(monkeypatch):
+    "The default recompute=None keeps the softmax up to KEEP_SOFTMAX_BYTES and recomputes it beyond; both give the same gradients."
+    import relpos.relative_mha as rm
+    seen, apply = [], rm._RelativeAttentionFn.apply
+    monkeypatch.setattr(rm._RelativeAttentionFn, 'apply', lambda *a: (seen.append(a[-1]), apply(*a))[1])
+    torch.manual_seed(0)
+    m = rm.RelativeMultiHeadAttention(2, 8, 0.0, P=16)
+    assert m.recompute is None
+    x = torch.randn(6, 2, 8, requires_grad=True)
+    grads = []
+    for limit in (2**30, 0):   # 6 x 6 scores: kept under the default limit, recomputed under a zero limit
+        monkeypatch.setattr(rm, 'KEEP_SOFTMAX_BYTES', limit)
+        grads.append(torch.autograd.grad(m(query=x, key=x, value=x).square().sum(), [x] + list(m.parameters())))
+    assert seen == [False, True]
+    for a, b in zip(*grads): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with torch.no_grad(): m(query=x, key=x, value=x)
+    assert seen[-1] is True   # nothing to keep without a gradient coming
