@@ -6,6 +6,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from relpos.mha import MultiHeadAttention
+from mha_module_checks import (rel_err, run, check_bf16_module, check_autocast_bf16, check_float64_matches_float32,
+                               check_no_state_from_the_mode_it_ran_in, check_long_sequence_no_limit,
+                               check_state_dict_is_plain_mha_and_round_trips, check_dropout_training_path_runs)
 from relpos.alibi import alibi_slopes, alibi_bias, ALiBiMultiHeadAttention
 
 try:
@@ -30,18 +33,11 @@ def get_slopes(n):
         return get_slopes_power_of_2(closest_power_of_2) + get_slopes(2*closest_power_of_2)[0::2][:n-closest_power_of_2]
 
 
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
 
 def make(heads=4, d_model=32, seed=0, **kw):
     torch.manual_seed(seed)
     return ALiBiMultiHeadAttention(heads, d_model, dropout_prob=kw.pop('dropout_prob', 0.0), **kw).eval()
 
-
-def run(m, q, kv, mask=None, **kw):
-    return m(query=q, key=kv, value=kv, mask=mask, **kw)
 
 
 def reference_layer(m, x, kv, bias, mask=None):
@@ -234,68 +230,16 @@ def test_compile_inductor_forward_backward():
 
 @pytest.mark.parametrize("need_weights", [False, True])
 @pytest.mark.parametrize("bidirectional", [False, True])
-def test_bf16_module(need_weights, bidirectional):
-    m = make(bidirectional=bidirectional)
-    x, mem = torch.randn(5, 2, 32), torch.randn(8, 2, 32)
-    ref = run(m, x, mem)
-    low = copy.deepcopy(m).bfloat16()
-    out = run(low, x.bfloat16(), mem.bfloat16(), need_weights=need_weights)
-    assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) <= 3e-2
-    out.float().sum().backward()
-    assert all(p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all() for p in low.parameters())
-
-
-def test_autocast_bf16():
-    m = make()
-    x = torch.randn(6, 2, 32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = run(m, x, x)
-    assert out.dtype == torch.bfloat16 and rel_err(out.float(), run(m, x, x)) <= 3e-2
-
-
-def test_float64_matches_float32():
-    m = make()
-    x = torch.randn(6, 2, 32)
-    torch.testing.assert_close(run(copy.deepcopy(m).double(), x.double(), x.double()).float(), run(m, x, x),
-                               rtol=1e-5, atol=1e-6)
-
-
-def test_no_state_from_the_mode_it_ran_in():
-    m = make()
-    x = torch.randn(7, 2, 32)
-    before = run(m, x, x)
-    with torch.inference_mode(): run(m, x, x)
-    with torch.autocast("cpu", dtype=torch.bfloat16): run(m, x, x)
-    after = run(m, x, x)
-    assert torch.equal(before, after) and after.requires_grad
-    assert list(m.buffers()) == []
-
-
-def test_long_sequence_no_limit():
-    m = make(2, 16)
-    x = torch.randn(5000, 1, 16)
-    assert run(m, x[-2:], x).isfinite().all()
+def test_bf16_module(need_weights, bidirectional): check_bf16_module(make(bidirectional=bidirectional), need_weights)
+def test_autocast_bf16(): check_autocast_bf16(make())
+def test_float64_matches_float32(): check_float64_matches_float32(make())
+def test_no_state_from_the_mode_it_ran_in(): check_no_state_from_the_mode_it_ran_in(make())
+def test_long_sequence_no_limit(): check_long_sequence_no_limit(make(2, 16), 5000)
 
 
 # ---------------------------------------------------------------- state
-def test_state_dict_is_plain_mha_and_round_trips():
-    m = make()
-    assert list(m.state_dict()) == list(MultiHeadAttention(4, 32).state_dict())
-    other = make(seed=3)
-    other.load_state_dict(m.state_dict())
-    x = torch.randn(5, 2, 32)
-    assert torch.equal(run(other, x, x), run(m, x, x))
-    buf = io.BytesIO(); torch.save(m.state_dict(), buf); buf.seek(0)
-    other.load_state_dict(torch.load(buf))
-    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
-        assert torch.equal(run(c, x, x), run(m, x, x))
-
-
-def test_dropout_training_path_runs():
-    m = make(dropout_prob=0.5).train()
-    x = torch.randn(6, 2, 32)
-    run(m, x, x).sum().backward()
-    assert all(p.grad is not None for p in m.parameters())
+def test_state_dict_is_plain_mha_and_round_trips(): check_state_dict_is_plain_mha_and_round_trips(make(), make(seed=3))
+def test_dropout_training_path_runs(): check_dropout_training_path_runs(make(dropout_prob=0.5))
 
 
 # ---------------------------------------------------------------- bad inputs

@@ -6,6 +6,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from relpos.mha import MultiHeadAttention
+from mha_module_checks import (rel_err, run, check_bf16_module, check_autocast_bf16, check_float64_matches_float32,
+                               check_no_state_from_the_mode_it_ran_in, check_long_sequence_no_limit,
+                               check_state_dict_is_plain_mha_and_round_trips, check_dropout_training_path_runs)
 from relpos.rotary import (rotary_inv_freq, rotary_angles, rotary_cos_sin, rotate_half, rotate_every_two,
                            apply_rotary, is_causal_mask, RotaryMultiHeadAttention)
 
@@ -21,19 +24,12 @@ except ImportError as e:
 needs_hf = pytest.mark.skipif(NO_HF is not None, reason=NO_HF or "")
 
 
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
 
 def make(heads=4, d_model=32, seed=0, **kw):
     torch.manual_seed(seed)
     m = RotaryMultiHeadAttention(heads, d_model, dropout_prob=kw.pop('dropout_prob', 0.0), **kw)
     return m.eval()
 
-
-def run(m, q, kv, mask=None, **kw):
-    return m(query=q, key=kv, value=kv, mask=mask, **kw)
 
 
 def hf_layer(m, x, kv):
@@ -237,70 +233,16 @@ def test_compile_inductor_forward_backward():
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_bf16_module(need_weights):
-    m = make()
-    x, mem = torch.randn(5, 2, 32), torch.randn(8, 2, 32)
-    ref = run(m, x, mem)
-    low = copy.deepcopy(m).bfloat16()
-    out = run(low, x.bfloat16(), mem.bfloat16(), need_weights=need_weights)
-    assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) <= 3e-2
-    out.float().sum().backward()
-    assert all(p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all() for p in low.parameters())
-
-
-def test_autocast_bf16():
-    m = make()
-    x = torch.randn(6, 2, 32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = run(m, x, x)
-    assert out.dtype == torch.bfloat16 and rel_err(out.float(), run(m, x, x)) <= 3e-2
-
-
-def test_float64_matches_float32():
-    m = make()
-    x = torch.randn(6, 2, 32)
-    torch.testing.assert_close(run(copy.deepcopy(m).double(), x.double(), x.double()).float(), run(m, x, x),
-                               rtol=1e-5, atol=1e-6)
-
-
-def test_no_state_from_the_mode_it_ran_in():
-    "No cache: a call under inference_mode / no_grad / bf16 autocast leaves nothing that changes a later call."
-    m = make()
-    x = torch.randn(7, 2, 32)
-    before = run(m, x, x)
-    with torch.inference_mode(): run(m, x, x)
-    with torch.no_grad(): run(m, x[:3], x)
-    with torch.autocast("cpu", dtype=torch.bfloat16): run(m, x, x)
-    after = run(m, x, x)
-    assert torch.equal(before, after) and after.requires_grad
-    assert list(m.buffers()) == []
-
-
-def test_long_sequence_no_limit():
-    m = make(2, 16)
-    x = torch.randn(3000, 1, 16)
-    assert run(m, x[-2:], x).isfinite().all()
+def test_bf16_module(need_weights): check_bf16_module(make(), need_weights)
+def test_autocast_bf16(): check_autocast_bf16(make())
+def test_float64_matches_float32(): check_float64_matches_float32(make())
+def test_no_state_from_the_mode_it_ran_in(): check_no_state_from_the_mode_it_ran_in(make())
+def test_long_sequence_no_limit(): check_long_sequence_no_limit(make(2, 16), 3000)
 
 
 # ---------------------------------------------------------------- state
-def test_state_dict_is_plain_mha_and_round_trips():
-    m, plain = make(), MultiHeadAttention(4, 32)
-    assert list(m.state_dict()) == list(plain.state_dict())
-    other = make(seed=3)
-    other.load_state_dict(m.state_dict())
-    x = torch.randn(5, 2, 32)
-    assert torch.equal(run(other, x, x), run(m, x, x))
-    buf = io.BytesIO(); torch.save(m.state_dict(), buf); buf.seek(0)
-    other.load_state_dict(torch.load(buf))
-    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
-        assert torch.equal(run(c, x, x), run(m, x, x))
-
-
-def test_dropout_training_path_runs():
-    m = make(dropout_prob=0.5).train()
-    x = torch.randn(6, 2, 32)
-    run(m, x, x).sum().backward()
-    assert all(p.grad is not None for p in m.parameters())
+def test_state_dict_is_plain_mha_and_round_trips(): check_state_dict_is_plain_mha_and_round_trips(make(), make(seed=3))
+def test_dropout_training_path_runs(): check_dropout_training_path_runs(make(dropout_prob=0.5))
 
 
 # ---------------------------------------------------------------- bad inputs

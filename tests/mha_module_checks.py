@@ -1,0 +1,72 @@
+"Checks every labml-layout attention module of relpos must pass (dtypes, modes, state, dropout): one copy, used by the test files of the modules."
+import copy, io, pickle
+import torch
+from relpos.mha import MultiHeadAttention
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def run(m, q, kv, mask=None, **kw):
+    return m(query=q, key=kv, value=kv, mask=mask, **kw)
+
+
+def check_bf16_module(m, need_weights):
+    "The module in bfloat16 gives the float32 numbers to 3e-2, and bfloat16, finite gradients."
+    x, mem = torch.randn(5, 2, 32), torch.randn(8, 2, 32)
+    ref = run(m, x, mem)
+    low = copy.deepcopy(m).bfloat16()
+    out = run(low, x.bfloat16(), mem.bfloat16(), need_weights=need_weights)
+    assert out.dtype == torch.bfloat16 and rel_err(out.float(), ref) <= 3e-2
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all() for p in low.parameters())
+
+
+def check_autocast_bf16(m):
+    x = torch.randn(6, 2, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(m, x, x)
+    assert out.dtype == torch.bfloat16 and rel_err(out.float(), run(m, x, x)) <= 3e-2
+
+
+def check_float64_matches_float32(m):
+    x = torch.randn(6, 2, 32)
+    torch.testing.assert_close(run(copy.deepcopy(m).double(), x.double(), x.double()).float(), run(m, x, x),
+                               rtol=1e-5, atol=1e-6)
+
+
+def check_no_state_from_the_mode_it_ran_in(m):
+    "No cache: a call under inference_mode / no_grad / bf16 autocast leaves nothing that changes a later call."
+    x = torch.randn(7, 2, 32)
+    before = run(m, x, x)
+    with torch.inference_mode(): run(m, x, x)
+    with torch.no_grad(): run(m, x[:3], x)
+    with torch.autocast("cpu", dtype=torch.bfloat16): run(m, x, x)
+    after = run(m, x, x)
+    assert torch.equal(before, after) and after.requires_grad
+    assert list(m.buffers()) == []
+
+
+def check_long_sequence_no_limit(m, n):
+    x = torch.randn(n, 1, m.output.in_features)
+    assert run(m, x[-2:], x).isfinite().all()
+
+
+def check_state_dict_is_plain_mha_and_round_trips(m, other):
+    "`m`'s checkpoint has exactly a plain MultiHeadAttention's keys; it loads into `other` (built with another seed)."
+    assert list(m.state_dict()) == list(MultiHeadAttention(4, 32).state_dict())
+    other.load_state_dict(m.state_dict())
+    x = torch.randn(5, 2, 32)
+    assert torch.equal(run(other, x, x), run(m, x, x))
+    buf = io.BytesIO(); torch.save(m.state_dict(), buf); buf.seek(0)
+    other.load_state_dict(torch.load(buf))
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert torch.equal(run(c, x, x), run(m, x, x))
+
+
+def check_dropout_training_path_runs(m):
+    x = torch.randn(6, 2, 32)
+    run(m.train(), x, x).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
