@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['check_sequence', 'size_or_one', 'PrepareForMultiHeadAttention', 'guard_double_backward', 'MultiHeadAttention',
            'functorch_active', 'differentiable_backward', 'check_chunk_size', 'available_cpus', 'head_workers',
-           'run_head_groups']
+           'run_head_groups', 'block_key_ranges']
 
 # %% ../nbs/01_mha.ipynb #ed119fe5
 import math, os
@@ -270,3 +270,24 @@ def run_head_groups(workers:int, # from `head_workers`; 1 runs in the caller's t
         with ThreadPoolExecutor(workers) as pool: return list(pool.map(run, range(workers)))
     finally:
         if threads != 1: torch.set_num_threads(threads)
+
+# %% ../nbs/01_mha.ipynb #df5dc7f9
+def block_key_ranges(mask:Optional[torch.Tensor], # bool `[b|1, 1, n_q|1, n_k]`, True = may attend; None: no mask
+                     n_q:int,                      # queries
+                     n_k:int,                      # keys
+                     block_rows:int,               # query rows per block
+                    ) -> List[Tuple[int, int, int, int]]: # `(i0, i1, k0, k1)` per block
+    "Blocks of `block_rows` query rows `i0:i1`, each with the keys `[k0, k1)` outside of which its mask rows hide every key."
+    starts = range(0, n_q, block_rows)
+    if mask is None: return [(i0, min(n_q, i0 + block_rows), 0, n_k) for i0 in starts]
+    m = mask[:, 0]                                                   # [b|1, n_q|1, n_k]
+    bounds = []
+    for i0 in (starts if m.shape[1] > 1 else [0]):                   # one mask row for all queries: one range
+        rows = m[:, i0:i0 + block_rows]
+        seen = rows.any(1).any(0)                                    # keys some row of the block may see, [n_k]
+        full = ~seen.any() | ~rows.any(-1).all()                     # a fully masked row: keep every key (see above)
+        k0 = torch.where(full, 0, seen.int().argmax())               # first key seen
+        k1 = torch.where(full, n_k, n_k - seen.flip(0).int().argmax())  # one past the last
+        bounds.append(torch.stack([k0, k1]))
+    bounds = torch.stack(bounds).tolist()                            # one device sync for all blocks
+    return [(i0, min(n_q, i0 + block_rows), *bounds[t if m.shape[1] > 1 else 0]) for t, i0 in enumerate(starts)]
