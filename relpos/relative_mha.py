@@ -12,7 +12,7 @@ import copy, math
 from typing import List, Optional, Tuple
 import torch
 from torch import nn
-from .mha import MultiHeadAttention, functorch_active, differentiable_backward, check_chunk_size, head_workers, run_head_groups
+from .mha import MultiHeadAttention, functorch_active, differentiable_backward, check_chunk_size, head_workers, run_head_groups, block_key_ranges
 from .shift import shift_right
 
 # %% ../nbs/02_relative_mha.ipynb #c5f9c2e7
@@ -152,22 +152,26 @@ class XLRelativeMultiHeadAttention(_RelativeAttention):
 
 # %% ../nbs/02_relative_mha.ipynb #2b82e506
 def _block_rows(n_k:int, chunk_size:Optional[int]) -> int:
-    "Query rows per block: `chunk_size`, or about 2**18 scores (1 MB in float32: a block stays in cache), at least 128."
+    "Query rows per block: `chunk_size`, or about 2**18 scores per head (1 MB in float32: a block stays in cache), at least 128."
     return chunk_size or max(128, 2 ** 18 // max(1, n_k))
 
-def _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1, out=None):
-    "Scores `[c, n_k]` of batch element `bb`, head `hh`, queries `i0:i1` against all keys, position term and mask included."
-    n_q, n_k, c = qu.shape[2], kT.shape[-1], i1 - i0
-    w0, L = n_q - i1 + 1, n_k + c - 1            # the window rows this block reads: w = j - i + n_q
+def _block_scores(qu, kT, qpa, Ra, mask, out=None):
+    """Scores `[..., c, n]` of one block: queries `qu [..., c, d]` against keys `kT [..., d, n]`, plus the position term
+    of the block's window `Ra [..., n + c - 1, e]`, -inf where `mask` (`[..., c|1, n]`, True = may attend) is False.
+    The leading dims `...` are none (one batch element and head) or `[b, h]` (all of them at once)."""
+    c, n = qu.shape[-2], kT.shape[-1]
+    L = n + c - 1                                 # the window rows this block reads: w = j - i + n_q
     # position term [c, e] @ [e, L]: the extra columns of `qpa` (ones, and -lse in backward) meet S (and ones) in `Ra`
-    bd = torch.mm(qpa[hh, bb, i0:i1], Ra[hh, w0:w0 + L].T)
+    bd = torch.matmul(qpa, Ra.transpose(-1, -2))
     # shift: s[ii, j] needs bd[ii, j + c - 1 - ii], i.e. a view with row stride L - 1 (no copy)
-    shifted = bd.as_strided((c, n_k), (L - 1, 1), bd.storage_offset() + c - 1)
-    s = torch.addmm(shifted, qu[bb, hh, i0:i1], kT[bb, hh], out=out)  # content term (Q_i + u) . K_j, plus the position term
-    if inv_mask is not None:
-        m = inv_mask[bb if inv_mask.shape[0] > 1 else 0, 0]
-        s.masked_fill_(m if m.shape[0] == 1 else m[i0:i1], float('-inf'))
-    return s, bd, shifted, (w0, L)
+    shifted = bd.as_strided((*bd.shape[:-1], n), (*bd.stride()[:-2], L - 1, 1), bd.storage_offset() + c - 1)
+    s = torch.matmul(qu, kT, out=out).add_(shifted)   # content term (Q_i + u) . K_j, plus the position term
+    if mask is not None: s.masked_fill_(~mask, float('-inf'))
+    return s
+
+def _window(n_q:int, i0:int, i1:int, k0:int, k1:int) -> slice:
+    "Window rows `w = j - i + n_q` that queries `i0:i1` and keys `k0:k1` read: `n_k + c - 1` consecutive rows."
+    return slice(n_q - i1 + 1 + k0, n_q - i0 + k1)
 
 def _keep_mask(seed, key, shape, p, device):
     "Dropout keep-mask of one block, reproducible from `seed` and the block's `key` (so backward needs not store it)."
@@ -182,37 +186,66 @@ def _per_head(heads:int, fn, work:int):
         for h in hs: fn(h)
     run_head_groups(head_workers(heads, work), heads, group)
 
+# %% ../nbs/02_relative_mha.ipynb #63b164e0
+def _mask_block(mask, bb, i0, i1, k0, k1):
+    "The block's part of the bool mask `[b|1, 1, n_q|1, n_k]`: `[c|1, n]` for one batch element, `[b|1, 1, c|1, n]` for all."
+    if mask is None: return None
+    rows = slice(i0, i1) if mask.shape[2] > 1 else slice(None)
+    if isinstance(bb, slice): return mask[:, :, rows, k0:k1]
+    return mask[bb if mask.shape[0] > 1 else 0, 0, rows, k0:k1]
+
+def _keep_key(bb, hh, b:int, n_q:int, i0:int) -> int:
+    "Seed offset of a block's dropout mask: one per (batch element, head, block) per head, one per block when batched."
+    return i0 if isinstance(bb, slice) else (hh * b + bb) * n_q + i0
+
+def _acc(dst, a, b, alpha=1.0):
+    "`dst += alpha * a @ b` in place, summed over the batch dim when `dst` has none (the position window of all batch elements)."
+    if a.dim() == 2: dst.addmm_(a, b, alpha=alpha); return
+    r = torch.matmul(a, b)
+    dst.add_(r if r.dim() == dst.dim() else r.sum(0), alpha=alpha)
+
+def _softmax_(s):
+    "Softmax of the block's scores in place, and their log-sum-exp; a fully masked row gets weights 0 and lse +inf."
+    mx = s.amax(-1, keepdim=True)
+    mx.masked_fill_(mx == float('-inf'), 0.)               # fully masked row: avoid -inf - -inf
+    p = s.sub_(mx).exp_()
+    l = p.sum(-1, keepdim=True)
+    p.mul_(torch.where(l > 0, l.reciprocal(), torch.zeros_like(l)))
+    lse = (mx + l.log())[..., 0]
+    return p, lse.masked_fill_(lse == float('-inf'), float('inf'))   # so that exp(s - lse) = 0 in backward
+
+def _run_blocks(batched:bool, b:int, h:int, blocks, fn):
+    "Call `fn(bb, hh, i0, i1, k0, k1)` for every block: per batch element and head on worker threads, or, `batched`, for all at once (`bb = hh = slice(None)`)."
+    if batched:   # a fixed number of ops per block of rows, whatever b and h: few, large kernels (GPUs)
+        for blk in blocks: fn(slice(None), slice(None), *blk)
+        return
+    def head(hh):
+        for bb in range(b):
+            for blk in blocks: fn(bb, hh, *blk)
+    _per_head(h, head, b * h * sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in blocks))
+
 # %% ../nbs/02_relative_mha.ipynb #905fbcb4
 class _RelativeAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size, recompute):
+    def forward(ctx, qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size, recompute, batched):
         b, h, n_q, _ = qu.shape
         n_k = k.shape[2]
-        c = _block_rows(n_k, chunk_size)
+        blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size))  # keys the mask hides are skipped
         out = qu.new_empty(b, h, n_q, v.shape[-1])
         lse = qu.new_empty(b, h, n_q)
         probs = None if recompute else qu.new_empty(b, h, n_q, n_k)  # the softmax, kept for backward
-        kT, inv_mask = k.transpose(-1, -2), (None if mask is None else ~mask)
-        def head(hh):
-            for bb in range(b):
-                for i0 in range(0, n_q, c):
-                    i1 = min(n_q, i0 + c)
-                    s = _block_scores(qu, kT, qpa, Ra, inv_mask, bb, hh, i0, i1,
-                                      None if recompute else probs[bb, hh, i0:i1])[0]
-                    # softmax in place, keeping log-sum-exp for the backward pass
-                    mx = s.amax(-1, keepdim=True)
-                    mx.masked_fill_(mx == float('-inf'), 0.)              # fully masked row: avoid -inf - -inf
-                    p = s.sub_(mx).exp_()
-                    l = p.sum(-1, keepdim=True)
-                    p.mul_(torch.where(l > 0, l.reciprocal(), torch.zeros_like(l)))  # fully masked row: weights 0
-                    if dropout_p > 0:
-                        p = p * _keep_mask(seed, (hh * b + bb) * n_q + i0, p.shape, dropout_p, p.device) / (1 - dropout_p)
-                    torch.mm(p, v[bb, hh], out=out[bb, hh, i0:i1])
-                    l = (mx + l.log())[:, 0]
-                    lse[bb, hh, i0:i1] = l.masked_fill_(l == float('-inf'), float('inf'))  # so that exp(s - lse) = 0
-        _per_head(h, head, b * h * n_q * n_k)
+        kT, qpaT = k.transpose(-1, -2), qpa.transpose(0, 1)          # qpaT: [b, h, n_q, e] view of [h, b, n_q, e]
+        def block(bb, hh, i0, i1, k0, k1):
+            s = _block_scores(qu[bb, hh, i0:i1], kT[bb, hh, :, k0:k1], qpaT[bb, hh, i0:i1],
+                              Ra[hh, _window(n_q, i0, i1, k0, k1)], _mask_block(mask, bb, i0, i1, k0, k1),
+                              out=None if probs is None else probs[bb, hh, i0:i1, k0:k1])
+            p, lse[bb, hh, i0:i1] = _softmax_(s)
+            if dropout_p > 0:
+                p = p * _keep_mask(seed, _keep_key(bb, hh, b, n_q, i0), p.shape, dropout_p, p.device) / (1 - dropout_p)
+            torch.matmul(p, v[bb, hh, k0:k1], out=out[bb, hh, i0:i1])
+        _run_blocks(batched, b, h, blocks, block)
         ctx.save_for_backward(qu, k, v, qpa, Ra, mask, out, lse, probs)
-        ctx.dropout_p, ctx.seed, ctx.chunk_size = dropout_p, seed, chunk_size
+        ctx.dropout_p, ctx.seed, ctx.chunk_size, ctx.batched, ctx.blocks = dropout_p, seed, chunk_size, batched, blocks
         return out
 
     @staticmethod
@@ -220,64 +253,65 @@ class _RelativeAttentionFn(torch.autograd.Function):
         qu, k, v, qpa, Ra, mask, out, lse, probs = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again (see relpos.mha)
             return differentiable_backward(_relative_attention_reference, (qu, k, v, qpa, Ra, mask, ctx.dropout_p,
-                                           ctx.seed, ctx.chunk_size, False), dout)
+                                           ctx.seed, ctx.chunk_size, None, ctx.batched), dout)
         b, h, n_q, d = qu.shape
-        n_k, dp_ = k.shape[2], ctx.dropout_p
-        c = _block_rows(n_k, ctx.chunk_size)
+        dp_ = ctx.dropout_p
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)          # Delta_i = dO_i . O_i = sum_j P_ij dP_ij
         # extra columns that fold two passes into the products: [Q, 1, -lse] . [R, S, 1] = Q R + S - lse,
         # so exp of the scores is P; [dO, -Delta] . [V, 1] = dP - Delta
-        qpl = torch.cat([qpa, -lse.transpose(0, 1)[..., None]], -1)
+        qplT = torch.cat([qpa, -lse.transpose(0, 1)[..., None]], -1).transpose(0, 1)
         Ral = torch.cat([Ra, Ra.new_ones(*Ra.shape[:-1], 1)], -1)
         ga, vaT = torch.cat([dout, -delta], -1), torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1).transpose(-1, -2)
         dqu, dqpa = torch.empty_like(qu), torch.empty_like(qpa)
         # dK, dV and dR accumulate over query blocks; kept transposed ([d, n_k]), the products that add to
         # them read the block's rows as they lie in memory (a quarter faster than accumulating [n_k, d])
         dkT, dvT, dRaT = (t.new_zeros(*t.shape[:-2], t.shape[-1], t.shape[-2]) for t in (k, v, Ra))
-        kT, inv_mask = k.transpose(-1, -2), (None if mask is None else ~mask)
-        def head(hh):
-            for bb in range(b):
-                for i0 in range(0, n_q, c):
-                    i1 = min(n_q, i0 + c)
-                    if probs is None:                        # softmax recomputed from the saved log-sum-exp
-                        s, bd, shifted, (w0, L) = _block_scores(qu, kT, qpl, Ral, inv_mask, bb, hh, i0, i1)
-                        p = s.exp_()
-                    else:                                    # or read back; bd is then only the un-shift buffer
-                        c_, w0 = i1 - i0, n_q - i1 + 1
-                        L = n_k + c_ - 1
-                        bd = qu.new_empty(c_, L)
-                        shifted = bd.as_strided((c_, n_k), (L - 1, 1), c_ - 1)
-                        p = probs[bb, hh, i0:i1]
-                    do = dout[bb, hh, i0:i1]
-                    if dp_ > 0:
-                        keep = _keep_mask(ctx.seed, (hh * b + bb) * n_q + i0, p.shape, dp_, p.device)
-                        dvT[bb, hh].addmm_(do.T, p * keep, alpha=1 / (1 - dp_))
-                        dp = torch.mm(do, v[bb, hh].T).mul_(keep).div_(1 - dp_).sub_(delta[bb, hh, i0:i1])
-                    else:
-                        dvT[bb, hh].addmm_(do.T, p)
-                        dp = torch.mm(ga[bb, hh, i0:i1], vaT[bb, hh])
-                    ds = dp.mul_(p)                          # gradient of the scores
-                    torch.mm(ds, k[bb, hh], out=dqu[bb, hh, i0:i1])
-                    dkT[bb, hh].addmm_(qu[bb, hh, i0:i1].T, ds)
-                    bd.zero_(); shifted.copy_(ds)            # un-shift: gradient of Q R^T + S in window coordinates
-                    torch.mm(bd, Ra[hh, w0:w0 + L], out=dqpa[hh, bb, i0:i1])
-                    dRaT[hh, :, w0:w0 + L].addmm_(qpa[hh, bb, i0:i1].T, bd)   # R and S (the column of ones) together
-        _per_head(h, head, b * h * n_q * n_k)
-        return dqu, dkT.transpose(-1, -2), dvT.transpose(-1, -2), dqpa, dRaT.transpose(-1, -2), None, None, None, None, None
+        kT, qpaT, dqpaT = k.transpose(-1, -2), qpa.transpose(0, 1), dqpa.transpose(0, 1)
+        def block(bb, hh, i0, i1, k0, k1):
+            win, m = _window(n_q, i0, i1, k0, k1), _mask_block(mask, bb, i0, i1, k0, k1)
+            if probs is None:                            # softmax recomputed from the saved log-sum-exp
+                p = _block_scores(qu[bb, hh, i0:i1], kT[bb, hh, :, k0:k1], qplT[bb, hh, i0:i1], Ral[hh, win], m).exp_()
+            else:                                        # or read back
+                p = probs[bb, hh, i0:i1, k0:k1]
+            do = dout[bb, hh, i0:i1]
+            if dp_ > 0:
+                keep = _keep_mask(ctx.seed, _keep_key(bb, hh, b, n_q, i0), p.shape, dp_, p.device)
+                _acc(dvT[bb, hh, :, k0:k1], do.transpose(-1, -2), p * keep, alpha=1 / (1 - dp_))
+                dp = torch.matmul(do, v[bb, hh, k0:k1].transpose(-1, -2)).mul_(keep).div_(1 - dp_).sub_(delta[bb, hh, i0:i1])
+            else:
+                _acc(dvT[bb, hh, :, k0:k1], do.transpose(-1, -2), p)
+                dp = torch.matmul(ga[bb, hh, i0:i1], vaT[bb, hh, :, k0:k1])
+            ds = dp.mul_(p)                              # gradient of the scores
+            torch.matmul(ds, k[bb, hh, k0:k1], out=dqu[bb, hh, i0:i1])
+            _acc(dkT[bb, hh, :, k0:k1], qu[bb, hh, i0:i1].transpose(-1, -2), ds)
+            # un-shift: the gradient of Q R^T + S in window coordinates, through the forward pass's strided view
+            c, n = ds.shape[-2:]
+            bd = ds.new_zeros(*ds.shape[:-1], n + c - 1)
+            bd.as_strided(ds.shape, (*bd.stride()[:-2], n + c - 2, 1), c - 1).copy_(ds)
+            torch.matmul(bd, Ra[hh, win], out=dqpaT[bb, hh, i0:i1])
+            _acc(dRaT[hh, :, win], qpaT[bb, hh, i0:i1].transpose(-1, -2), bd)   # R and S (the column of ones) together
+        _run_blocks(ctx.batched, b, h, ctx.blocks, block)
+        return (dqu, dkT.transpose(-1, -2), dvT.transpose(-1, -2), dqpa, dRaT.transpose(-1, -2),
+                None, None, None, None, None, None)
 
 # %% ../nbs/02_relative_mha.ipynb #7e1ee9d8
-def _dropout_keep(seed:int, b:int, h:int, n_q:int, n_k:int, p:float, chunk_size:Optional[int], device) -> torch.Tensor:
-    "The blocks' dropout keep-mask `[b, h, n_q, n_k]`, all at once: block by block from the same seeds."
-    keep, c = torch.empty(b, h, n_q, n_k, dtype=torch.bool, device=device), _block_rows(n_k, chunk_size)
-    for hh in range(h):
-        for bb in range(b):
-            for i0 in range(0, n_q, c):
-                i1 = min(n_q, i0 + c)
-                keep[bb, hh, i0:i1] = _keep_mask(seed, (hh * b + bb) * n_q + i0, (i1 - i0, n_k), p, device)
+def _dropout_keep(seed:int, b:int, h:int, n_q:int, n_k:int, p:float, mask, chunk_size:Optional[int], batched:bool, device) -> torch.Tensor:
+    "The blocks' dropout keep-mask `[b, h, n_q, n_k]`, all at once: block by block from the same seeds (False where a block skips keys)."
+    keep = torch.zeros(b, h, n_q, n_k, dtype=torch.bool, device=device)
+    def block(bb, hh, i0, i1, k0, k1):
+        part = keep[bb, hh, i0:i1, k0:k1]
+        part.copy_(_keep_mask(seed, _keep_key(bb, hh, b, n_q, i0), part.shape, p, device))
+    blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size))
+    if batched:
+        for blk in blocks: block(slice(None), slice(None), *blk)
+    else:
+        for hh in range(h):
+            for bb in range(b):
+                for blk in blocks: block(bb, hh, *blk)
     return keep
 
-def _relative_attention_reference(qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size=None, recompute=False):
+def _relative_attention_reference(qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size=None, recompute=None, batched=False):
     "What the blocks compute, in ordinary differentiable ops with `[b, h, n_q, n_k]` scores: for higher-order gradients and `torch.func`."
     b, h, n_q, _ = qu.shape
     n_k = k.shape[2]
@@ -291,7 +325,9 @@ def _relative_attention_reference(qu, k, v, qpa, Ra, mask, dropout_p, seed, chun
     p = s.softmax(-1)
     if mask is not None: p = p * row_ok
     if dropout_p > 0 and seed is None: p = torch.nn.functional.dropout(p, dropout_p)   # torch.compile: its own RNG
-    elif dropout_p > 0: p = p * _dropout_keep(seed, b, h, n_q, n_k, dropout_p, chunk_size, qu.device) / (1 - dropout_p)
+    elif dropout_p > 0:
+        keep = _dropout_keep(seed, b, h, n_q, n_k, dropout_p, mask, chunk_size, batched, qu.device)
+        p = p * keep / (1 - dropout_p)
     return p @ v
 
 KEEP_SOFTMAX_BYTES = 2**30   # the fast path keeps the softmax for backward up to this size (1 GiB), recomputes it beyond
@@ -310,8 +346,9 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
                        dropout_p:float=0.0,              # dropout on the attention weights
                        chunk_size:Optional[int]=None,    # query rows per block (None: automatic)
                        recompute:Optional[bool]=None,    # backward recomputes the softmax (True) or reads it back (False); None: by size
+                       batched:Optional[bool]=None,      # blocks of all batch elements and heads at once (None: off CPU), else per head on worker threads
                       ) -> torch.Tensor:  # `[b, h, n_q, d_v]`
-    "Relative attention `softmax(qu k^T + shift(qp R^T + S)) v`, in cache-sized blocks of queries; backward reuses the kept softmax, or recomputes it (`recompute=True`, or by default when keeping it would take more than `KEEP_SOFTMAX_BYTES`)."
+    "Relative attention `softmax(qu k^T + shift(qp R^T + S)) v`, in blocks of queries that skip the keys `mask` hides; backward reuses the kept softmax, or recomputes it (`recompute=True`, or by default when keeping it would take more than `KEEP_SOFTMAX_BYTES`)."
     check_chunk_size(chunk_size)
     n_q, n_k = qu.shape[2], k.shape[2]
     if R.shape[-2] != n_k + n_q or S.shape[-1] != n_k + n_q:
@@ -329,15 +366,17 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
         # torch.compile: the blocks (Python loops, worker threads, strided views) would break the graph; the same
         # numbers from ordinary ops compile into one graph, at the readable path's memory ([b, h, n_q, n_k] scores)
         return _relative_attention_reference(qu, k, v, qpa, Ra, mask, float(dropout_p), None, chunk_size)
+    batched = qu.device.type != 'cpu' if batched is None else bool(batched)
     seed = int(torch.randint(0, 2 ** 62, (1,))) if dropout_p > 0 else 0   # from the global RNG: torch.manual_seed reproduces it
     if functorch_active():
         # torch.func (grad, vmap, jacrev) cannot run an autograd.Function without setup_context: the same
         # numbers from ordinary ops, with [b, h, n_q, n_k] scores (the readable path's memory, not the blocks')
-        return _relative_attention_reference(qu, k, v, qpa, Ra, mask, float(dropout_p), seed, chunk_size)
+        return _relative_attention_reference(qu, k, v, qpa, Ra, mask, float(dropout_p), seed, chunk_size, None, batched)
     return _RelativeAttentionFn.apply(qu.contiguous(), k.contiguous(), v.contiguous(), qpa, Ra, mask,
                                       float(dropout_p), seed, chunk_size, not needs_grad or (
                                           recompute if recompute is not None else
-                                          softmax_too_big(qu.shape[0], qu.shape[1], n_q, n_k, qu.element_size())))
+                                          softmax_too_big(qu.shape[0], qu.shape[1], n_q, n_k, qu.element_size())),
+                                      batched)
 
 # %% ../nbs/02_relative_mha.ipynb #e12a3b31
 class FeedForward(nn.Module):

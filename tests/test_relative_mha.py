@@ -251,7 +251,7 @@ def test_recompute_none_decides_by_size(monkeypatch):
     "The default recompute=None keeps the softmax up to KEEP_SOFTMAX_BYTES and recomputes it beyond; both give the same gradients."
     import relpos.relative_mha as rm
     seen, apply = [], rm._RelativeAttentionFn.apply
-    monkeypatch.setattr(rm._RelativeAttentionFn, 'apply', lambda *a: (seen.append(a[-1]), apply(*a))[1])
+    monkeypatch.setattr(rm._RelativeAttentionFn, 'apply', lambda *a: (seen.append(a[-2]), apply(*a))[1])   # a[-2]: recompute
     torch.manual_seed(0)
     m = rm.RelativeMultiHeadAttention(2, 8, 0.0, P=16)
     assert m.recompute is None
