@@ -109,3 +109,8 @@ def make_sdpa_plain(n, batch=4, heads=8, d_model=512, device='cpu', inference=Fa
     from relpos.mha import MultiHeadAttention
     return self_attention_case(MultiHeadAttention(heads, d_model, dropout_prob=0.0), n, batch, d_model, device,
                                inference=inference)
+
+
+def make_sdpa_inference(n, batch=4, heads=8, d_model=512, device='cpu', **kw):
+    "The inference baseline: `make_sdpa_plain` forward only, under `torch.inference_mode`."
+    return make_sdpa_plain(n, batch, heads, d_model, device, inference=True)

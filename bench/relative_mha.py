@@ -54,11 +54,54 @@ def make_labml(n, batch=4, heads=8, d_model=512, device='cpu', mem=0):
     return _case(Labml(heads, d_model, dropout_prob=0.0), n, batch, d_model, device, mem)
 
 
+def _self_attention(module, n, batch, d_model, device, **kw):
+    from bench.mha import self_attention_case
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if 'pos' in name or name in ('u', 'v'): p.normal_(0, 0.02)
+    return self_attention_case(module.train(), n, batch, d_model, device, **kw)
+
+
+def make_fast_causal(n, batch=4, heads=8, d_model=512, device='cpu'):
+    "RelativeMultiHeadAttention, fast path, causal mask (the blocks skip the keys it hides)."
+    return _self_attention(RelativeMultiHeadAttention(heads, d_model, 0.0, P=max(4096, n)), n, batch, d_model, device, causal=True)
+
+
+def make_xl_fast_causal(n, batch=4, heads=8, d_model=512, device='cpu'):
+    "XLRelativeMultiHeadAttention, fast path, causal mask."
+    return _self_attention(XLRelativeMultiHeadAttention(heads, d_model, 0.0), n, batch, d_model, device, causal=True)
+
+
+def make_fast_inference(n, batch=4, heads=8, d_model=512, device='cpu'):
+    "RelativeMultiHeadAttention, fast path, forward only under `torch.inference_mode`."
+    return _self_attention(RelativeMultiHeadAttention(heads, d_model, 0.0, P=max(4096, n)), n, batch, d_model, device, inference=True)
+
+
+def make_xl_fast_inference(n, batch=4, heads=8, d_model=512, device='cpu'):
+    "XLRelativeMultiHeadAttention, fast path, forward only under `torch.inference_mode`."
+    return _self_attention(XLRelativeMultiHeadAttention(heads, d_model, 0.0), n, batch, d_model, device, inference=True)
+
+
 CASES = {name: f'bench.relative_mha:make_{name}' for name in ['sdpa', 'fast', 'fast_recompute', 'xl_fast', 'readable', 'labml']}
+CAUSAL = {'sdpa_causal': 'bench.mha:make_sdpa_causal', 'fast': 'bench.relative_mha:make_fast_causal',
+          'xl_fast': 'bench.relative_mha:make_xl_fast_causal'}
+INFERENCE = {'sdpa': 'bench.mha:make_sdpa_inference', 'fast': 'bench.relative_mha:make_fast_inference',
+             'xl_fast': 'bench.relative_mha:make_xl_fast_inference'}
 
 
-def main(ns=(128, 512, 1024, 2048), reps=2, cases=None):
+def main(ns=(128, 512, 1024, 2048), reps=2, cases=None, long=(1024, 2048, 4096, 8192)):
+    "Four tables: training with and without memory; causal training against causal SDPA; inference; long sequences at batch 1."
     cases = {k: CASES[k] for k in (cases or CASES)}
     configs = [dict(n=n, mem=m) for n in ns for m in (0, n)]
-    return bench_table(cases, configs, baseline='sdpa', reps=reps,
-                       title='relative_mha: forward+backward, batch 4, 8 heads, d_model 512 (mem: memory length, keys = mem + n)')
+    return '\n\n'.join([
+        bench_table(cases, configs, baseline='sdpa', reps=reps,
+                    title='relative_mha: forward+backward, batch 4, 8 heads, d_model 512 (mem: memory length, keys = mem + n)'),
+        bench_table(CAUSAL, [dict(n=n) for n in ns if n >= 1024], baseline='sdpa_causal', reps=reps,
+                    title='relative_mha, causal: forward+backward, batch 4, 8 heads, d_model 512, against SDPA with is_causal=True'),
+        bench_table(INFERENCE, [dict(n=n) for n in ns if n >= 1024], baseline='sdpa', reps=reps, backward=False,
+                    title='relative_mha, inference: forward under torch.inference_mode, batch 4, 8 heads, d_model 512'),
+        bench_table({'sdpa': 'bench.relative_mha:make_sdpa', 'fast': 'bench.relative_mha:make_fast',
+                     'fast_recompute': 'bench.relative_mha:make_fast_recompute'},
+                    [dict(n=n, batch=1) for n in long], baseline='sdpa', reps=reps,
+                    title='relative_mha, long sequences: forward+backward, batch 1, 8 heads, d_model 512, recompute=None (default) and True')])

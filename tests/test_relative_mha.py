@@ -264,3 +264,117 @@ def test_recompute_none_decides_by_size(monkeypatch):
     for a, b in zip(*grads): torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with torch.no_grad(): m(query=x, key=x, value=x)
     assert seen[-1] is True   # nothing to keep without a gradient coming
+
+
+# ---- blocks that skip masked keys, and the batched (device-generic) path
+
+from hypothesis import given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+import relpos.relative_mha as rm
+
+
+def kernel_args(b, h, n_q, n_k, d, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = lambda *s: torch.randn(*s, generator=g, dtype=dtype).requires_grad_()
+    return t(b, h, n_q, d), t(b, h, n_q, d), t(b, h, n_k, d), t(b, h, n_k, d), t(h, n_k + n_q, d), t(h, n_k + n_q)
+
+
+def make_mask(kind, b, n_q, n_k, seed=0):
+    "bool [b|1, 1, n_q|1, n_k], True = may attend."
+    g = torch.Generator().manual_seed(seed)
+    i, j = torch.arange(n_q)[:, None] + n_k - n_q, torch.arange(n_k)[None, :]   # absolute query position, key
+    if kind is None: return None
+    if kind == 'causal': m = (j <= i)[None, None]
+    if kind == 'window': m = ((j <= i) & (j > i - 3))[None, None]
+    if kind == 'padding': m = (j < torch.randint(1, n_k + 1, (b, 1, 1, 1), generator=g))[:, :, :1]
+    if kind == 'random': m = torch.rand(b, 1, n_q, n_k, generator=g) > 0.5
+    if kind == 'causal_empty_row':
+        m = (j <= i)[None, None].expand(b, 1, n_q, n_k).clone(); m[0, 0, n_q // 2] = False
+    return m
+
+
+def reference(args, mask):
+    qu, qp, k, v, R, S = args
+    qpa = torch.cat([qp, torch.ones_like(qp[..., :1])], -1).transpose(0, 1)
+    Ra = torch.cat([R, S[..., None]], -1)
+    return rm._relative_attention_reference(qu, k, v, qpa, Ra, mask, 0.0, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 2), h=st.integers(1, 3), n_q=st.integers(1, 12), extra=st.integers(0, 6),
+       kind=st.sampled_from([None, 'causal', 'window', 'padding', 'random', 'causal_empty_row']),
+       chunk=st.sampled_from([None, 1, 3, 5]), batched=st.booleans(), recompute=st.booleans())
+def test_blocks_skip_masked_keys_exactly(b, h, n_q, extra, kind, chunk, batched, recompute):
+    "Per head or batched, kept or recomputed softmax, any mask: the blocks give the reference's values and gradients (float64)."
+    n_k = n_q + extra
+    args, mask = kernel_args(b, h, n_q, n_k, 4), make_mask(kind, b, n_q, n_k)
+    g = torch.randn(b, h, n_q, 4, dtype=torch.float64)
+    want = reference(args, mask)
+    got = relative_attention(*args, mask=mask, chunk_size=chunk, batched=batched, recompute=recompute)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for a, w in zip(torch.autograd.grad(got, args, g), torch.autograd.grad(want, args, g)):
+        torch.testing.assert_close(a, w, rtol=1e-9, atol=1e-11)
+
+
+def test_causal_blocks_visit_about_half_the_scores(monkeypatch):
+    "Under a causal mask the blocks compute about n^2/2 + n c/2 scores, not n^2 (this fails if skipping is removed)."
+    seen, scores = [], rm._block_scores
+    monkeypatch.setattr(rm, '_block_scores', lambda qu, kT, *a, **k: (seen.append(qu.shape[-2] * kT.shape[-1]), scores(qu, kT, *a, **k))[1])
+    n, c = 64, 8
+    args = kernel_args(1, 1, n, n, 4)
+    relative_attention(*args, mask=make_mask('causal', 1, n, n), chunk_size=c, recompute=True).sum().backward()
+    assert sum(seen) == 2 * (n * n // 2 + n * c // 2)            # forward and recomputing backward
+    seen.clear()
+    relative_attention(*args, chunk_size=c, recompute=True).sum().backward()
+    assert sum(seen) == 2 * n * n                                # no mask: every key
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self): super().__init__(); self.n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('batched', [True, False])
+def test_ops_per_call_do_not_grow_with_batch_and_heads(batched):
+    "The batched path (the default off CPU) dispatches as many ops for batch 3 x 5 heads as for 2 x 2; the per-head path does not."
+    counts = []
+    for b, h in [(2, 2), (3, 5)]:
+        args = kernel_args(b, h, 24, 24, 4, dtype=torch.float32)
+        mask = make_mask('causal', b, 24, 24)
+        with OpCounter() as fwd: out = relative_attention(*args, mask=mask, chunk_size=8, batched=batched, recompute=True)
+        with OpCounter() as bwd: out.sum().backward()
+        counts.append((fwd.n, bwd.n))
+    if batched: assert counts[0] == counts[1], counts
+    else: assert counts[1][0] > 3 * counts[0][0], counts     # a loop over batch x heads
+
+
+@pytest.mark.parametrize('batched', [True, False])
+def test_dropout_reproducible_and_double_backward_consistent(batched):
+    "With dropout, the blocks' backward and the differentiable reference (create_graph=True) see the same keep-masks."
+    args, mask = kernel_args(2, 2, 7, 9, 3), make_mask('causal', 2, 7, 9)
+    def f(*a):
+        torch.manual_seed(3)
+        return relative_attention(*a, mask=mask, dropout_p=0.3, chunk_size=3, batched=batched)
+    assert torch.autograd.gradcheck(f, args)
+    g = torch.randn(2, 2, 7, 3, dtype=torch.float64)
+    plain = torch.autograd.grad(f(*args), args, g)
+    graph = torch.autograd.grad(f(*args), args, g, create_graph=True)
+    for a, b in zip(plain, graph): torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradgradcheck(f, args)
+
+
+def test_module_batched_path_equals_per_head(monkeypatch):
+    "The modules on the batched path (forced on CPU) give the per-head path's outputs and gradients."
+    m = randomize(XLRelativeMultiHeadAttention(4, 32, dropout_prob=0.0), std=0.3)
+    x = torch.randn(16, 3, 32, requires_grad=True)
+    mask = causal(10, 16, 3)
+    results = []
+    for batched in (False, True):
+        monkeypatch.setattr(rm, 'relative_attention', lambda *a, _f=relative_attention, _b=batched, **k: _f(*a, batched=_b, **k))
+        x.grad = None; m.zero_grad()
+        out = m(query=x[-10:], key=x, value=x, mask=mask)
+        out.square().sum().backward()
+        results.append([out.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*results): assert rel_err(a, b) <= 1e-5
