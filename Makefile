@@ -48,8 +48,10 @@ docs: export
 	if command -v quarto >/dev/null; then $(BIN)/nbdev_docs; \
 	else $(BIN)/python tools/render_docs.py && echo "rendered offline with nbconvert into _docs/ (quarto not found)"; fi
 
+# make bench DEVICE=cuda: every case on the GPU (relpos.bench.bench_table reads RELPOS_BENCH_DEVICE)
+DEVICE ?=
 bench: env
-	$(BIN)/python -m bench
+	RELPOS_BENCH_DEVICE=$(DEVICE) $(BIN)/python -m bench
 
 # The chapter "Which method?": train every position method (bench/study.py, results in nbs/data/study.json; about an
 # hour on 2 cores), then execute the chapter and the docs home, whose tables and pictures are read from those results.

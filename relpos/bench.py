@@ -115,6 +115,11 @@ def bench_table(cases:dict,         # name -> 'module:factory'
                ) -> str:            # a markdown table
     "Time (and peak memory) of every case at every config, with ratios to `baseline` from the same run."
     if baseline not in cases: raise ValueError(f"baseline {baseline!r} is not one of the cases {list(cases)}")
+    device = os.environ.get('RELPOS_BENCH_DEVICE') or None   # `make bench DEVICE=cuda`: every case on that device
+    if device is not None:
+        if device.startswith('cuda') and not torch.cuda.is_available():
+            raise RuntimeError(f"RELPOS_BENCH_DEVICE={device} but torch.cuda.is_available() is False on this machine")
+        configs = [{**c, 'device': device} for c in configs]
     rows = []
     for config in configs:
         res = {}
