@@ -1,6 +1,7 @@
-"Benchmark for `relpos.models` (nbs/09_models.ipynb): one `DecoderLM` training step per position method, against position='none'."
+"""Benchmark for `relpos.models` (nbs/09_models.ipynb): one `DecoderLM` training step per position method, against
+position='none'; and one attention layer per method under a causal mask, training and inference, against causal SDPA."""
 import torch
-from relpos.models import DecoderLM, POSITIONS
+from relpos.models import DecoderLM, POSITIONS, POSITION_BUILDERS, causal_mask
 
 N_VOCAB = 256
 
@@ -11,14 +12,42 @@ def make(position, n, batch=4, d_model=256, heads=4, n_layers=4, device='cpu'):
     tokens = torch.randint(0, N_VOCAB, (batch, n), device=device)
     return (lambda tokens: lm(tokens)[0]), (tokens,)
 
-def _factory(position):
-    f = lambda n, **kw: make(position, n, **kw)
-    f.__doc__ = f"DecoderLM(position={position!r})"
+def make_layer(position, n, batch=4, d_model=512, heads=8, device='cpu', inference=False):
+    """One attention layer of `position` as `DecoderLM` builds it, self-attention over `[batch, n, d_model]` with the
+    causal mask; `inference`: forward only, under `torch.inference_mode`."""
+    torch.manual_seed(0)
+    if position == 'sdpa_causal':   # the baseline: the same projections, SDPA with is_causal=True
+        from bench.mha import CausalSDPA
+        sdpa = CausalSDPA(heads, d_model)
+        attn = lambda q, k, v, mask: sdpa(query=q.transpose(0, 1), key=k.transpose(0, 1), value=v.transpose(0, 1)).transpose(0, 1)
+    else:
+        attn = POSITION_BUILDERS[position](d_model, heads, 0.0, n, 0)
+    if isinstance(attn, torch.nn.Module): attn.to(device)
+    else: sdpa.to(device)
+    x = torch.randn(batch, n, d_model, device=device, requires_grad=not inference)
+    mask = causal_mask(n, n, device)
+    def fn(x):
+        with torch.inference_mode(inference): return attn(x, x, x, mask)
+    return fn, (x,)
+
+def _factory(make_fn, position, **fixed):
+    f = lambda n, **kw: make_fn(position, n, **fixed, **kw)
+    f.__doc__ = f"{make_fn.__name__}({position!r}, {fixed})"
     return f
 
-for _p in POSITIONS: globals()[f"make_{_p}"] = _factory(_p)
+LAYER_CASES = ('sdpa_causal',) + tuple(p for p in POSITIONS if p != 'absolute')   # 'absolute' is 'none' at the layer
+for _p in POSITIONS: globals()[f"make_{_p}"] = _factory(make, _p)
+for _p in LAYER_CASES:
+    globals()[f"make_train_{_p}"] = _factory(make_layer, _p)
+    globals()[f"make_infer_{_p}"] = _factory(make_layer, _p, inference=True)
 
-def main(sizes=(128, 512), reps=3):
+def main(sizes=(128, 512), reps=3, layer_n=2048):
     from relpos.bench import bench_table
-    return bench_table({p: f"bench.models:make_{p}" for p in POSITIONS}, [dict(n=n) for n in sizes], baseline='none',
-                       reps=reps, title='DecoderLM training step: batch 4, d_model 256, 4 heads, 4 layers, vocabulary 256')
+    return '\n\n'.join([
+        bench_table({p: f"bench.models:make_{p}" for p in POSITIONS}, [dict(n=n) for n in sizes], baseline='none',
+                    reps=reps, title='DecoderLM training step: batch 4, d_model 256, 4 heads, 4 layers, vocabulary 256'),
+        bench_table({p: f"bench.models:make_train_{p}" for p in LAYER_CASES}, [dict(n=layer_n)], baseline='sdpa_causal',
+                    reps=reps, title='One attention layer per method, causal, forward+backward: batch 4, 8 heads, d_model 512'),
+        bench_table({p: f"bench.models:make_infer_{p}" for p in LAYER_CASES}, [dict(n=layer_n)], baseline='sdpa_causal',
+                    reps=reps, backward=False,
+                    title='One attention layer per method, causal, inference (forward under torch.inference_mode): batch 4, 8 heads, d_model 512')])
