@@ -1,11 +1,13 @@
 """Benchmark of chapter 03 (Shaw et al. relation-aware attention): forward+backward of one attention call,
-batch 4, 8 heads, hidden 512, k=16, against plain `scaled_dot_product_attention` with the same projections."""
+batch 4, 8 heads, hidden 512, k=16, against plain `scaled_dot_product_attention` with the same projections; with a
+causal mask against SDPA with `is_causal=True`; and forward only under `torch.inference_mode`."""
 from functools import partial
 import torch
 import torch.nn.functional as F
 from relpos.bench import bench_table
 from relpos.fourier import sdpa_bias
 from relpos.shaw import RelationAwareMultiHeadAttention
+from bench.mha import causal_mask   # the causal and inference tables use bench.mha's shared baselines too
 
 
 class PlainSDPA(RelationAwareMultiHeadAttention):
@@ -22,12 +24,16 @@ class KeyTermSDPA(RelationAwareMultiHeadAttention):
         return sdpa_bias(q, k, v, bias, self.scale)
 
 
-def _make(cls, n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0, **call):
-    "One step of `cls(hidden, heads, k)` on `n` queries over `mem + n` keys."
+def _make(cls, n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0, causal=False, inference=False, **call):
+    """One step of `cls(hidden, heads, k)` on `n` queries over `mem + n` keys; `causal`: query i sees keys up to `mem + i`
+    (Shaw's mask layout `[batch|1, seq_q, seq_k]`); `inference`: forward only under `torch.inference_mode`."""
     torch.manual_seed(0)
     module = cls(hidden, heads, k).to(device).train()
-    x = torch.randn(batch, mem + n, hidden, device=device, requires_grad=True)
-    def fn(x): return module(x[:, -n:], x, x, **call)
+    x = torch.randn(batch, mem + n, hidden, device=device, requires_grad=not inference)
+    mask = causal_mask(mem + n, device)[-n:, :, 0][None] if causal else None   # relpos's [n, n, 1] -> [1, n, mem + n]
+    def fn(x):
+        with torch.inference_mode(inference):
+            return module(x[:, -n:], x, x, mask=mask, **call)
     return fn, (x,)
 
 
@@ -35,6 +41,7 @@ make_sdpa = partial(_make, PlainSDPA)                                  # baselin
 make_fast = partial(_make, RelationAwareMultiHeadAttention)            # fast path (`relation_aware_attention`)
 make_key_only_sdpa = partial(_make, KeyTermSDPA)                       # key term only, fused kernel
 make_readable = partial(_make, RelationAwareMultiHeadAttention, need_weights=True)  # readable path, `[n, n, d]` tables
+make_fast_causal = partial(_make, RelationAwareMultiHeadAttention, causal=True)  # fast path, causal mask: hidden keys skipped
 
 
 def make_seed(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
@@ -53,9 +60,22 @@ def make_seed(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
 CASES = {name: f'bench.shaw:make_{name}' for name in ['sdpa', 'fast', 'key_only_sdpa', 'readable', 'seed']}
 
 
-def main(ns=(128, 512, 1024, 2048), reps=3, cases=None, mem=(0,)):
+def main(ns=(128, 512, 1024, 2048), reps=3, cases=None, mem=(0,), causal_ns=(1024, 2048), inference_ns=(2048,)):
+    "The table of every case, then a causal table (baseline: SDPA with `is_causal=True`) and a forward-only inference table."
     cases = {c: CASES[c] for c in (cases or CASES)}
     configs = [dict(n=n, mem=m) for n in ns for m in mem]
-    return bench_table(cases, configs, baseline='sdpa', reps=reps,
-                       title='shaw: forward+backward, batch 4, 8 heads, hidden 512, k=16' + (' (mem: extra keys before the queries)' if any(mem) else ''))
-
+    tables = [bench_table(cases, configs, baseline='sdpa', reps=reps,
+                          title='shaw: forward+backward, batch 4, 8 heads, hidden 512, k=16' + (' (mem: extra keys before the queries)' if any(mem) else ''))]
+    if causal_ns:
+        tables.append(bench_table({'sdpa causal': 'bench.mha:make_sdpa_causal', 'fast causal': 'bench.shaw:make_fast_causal',
+                                   'fast': 'bench.shaw:make_fast'},
+                                  [dict(n=n) for n in causal_ns], baseline='sdpa causal', reps=reps,
+                                  title='shaw, causal mask: forward+backward, batch 4, 8 heads, hidden 512, k=16 '
+                                        '(baseline: the same projections, SDPA with is_causal=True; fast: no mask)'))
+    if inference_ns:
+        tables.append(bench_table({'sdpa': 'bench.mha:make_sdpa_plain', 'sdpa causal': 'bench.mha:make_sdpa_causal',
+                                   'fast': 'bench.shaw:make_fast', 'fast causal': 'bench.shaw:make_fast_causal'},
+                                  [dict(n=n, inference=True) for n in inference_ns], baseline='sdpa', backward=False, reps=reps,
+                                  title='shaw, inference: forward only under torch.inference_mode, batch 4, 8 heads, hidden 512, k=16 '
+                                        '(baseline: the same projections, SDPA, no mask)'))
+    return '\n\n'.join(tables)

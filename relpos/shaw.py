@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import functorch_active, differentiable_backward, check_chunk_size, size_or_one
+from .mha import functorch_active, differentiable_backward, check_chunk_size, size_or_one, block_key_ranges
 
 # %% ../nbs/03_shaw.ipynb #0cc63030
 def _check_length(x, name:str) -> int:
@@ -125,7 +125,7 @@ def _one_hot_fits(c:int, w:int, n_buckets:int, bh:int, n_k:int) -> bool:
     "Whether the `[c, w, 2k+1]` one-hot matrix is no larger than the chunk's `[b·h, c, n_k]` scores."
     return w * n_buckets <= bh * n_k
 
-def _bucket_sums(x:torch.Tensor,           # `[b, h, c, n_k]` values per (query, key)
+def _bucket_sums(x:torch.Tensor,           # `[b, h, c, w]` values per (query, key) of the chunk's `w` keys
                  one_hot:Optional[torch.Tensor], # `[c, w, 2k+1]`, or None: sum with `scatter_add_` instead
                  idx:torch.Tensor,         # `[c, w]` bucket of each strip key
                  n_buckets:int,            # 2k+1
@@ -144,35 +144,48 @@ def _bucket_sums(x:torch.Tensor,           # `[b, h, c, n_k]` values per (query,
     return out
 
 # %% ../nbs/03_shaw.ipynb #ffa1dd25
-def _chunks(n_q:int, n_k:int, bh:int, chunk_size:Optional[int]):
-    "Query-row ranges; automatic size: about 2**20 scores (4 MiB in float32) per chunk, at least 32 rows."
+def _chunk_rows(n_q:int, n_k:int, bh:int, chunk_size:Optional[int]) -> int:
+    "Query rows per chunk; automatic size: about 2**20 scores (4 MiB in float32) per chunk, at least 32 rows."
     # measured (CPU, batch 4, 8 heads, n = 1024): 2**22 scores per chunk peak at 2x the memory of 2**20, same time;
     # below 32 rows per-chunk overhead dominates (n = 2048: 16 rows cost 1.4x the time of 32)
     check_chunk_size(chunk_size)
-    c = chunk_size or max(32, 2 ** 20 // max(1, bh * n_k))
-    return [(i, min(n_q, i + c)) for i in range(0, n_q, c)]
+    return chunk_size or max(32, 2 ** 20 // max(1, bh * n_k))
 
-def _chunk_plan(n_q:int, n_k:int, k:int, bh:int, chunk_size:Optional[int], device, dtype):
-    "Each chunk of query rows `i0:i1`, its strip of keys `[lo, hi)`, the strip's buckets and their one-hot matrix (None when it would outgrow the chunk's scores)."
+def _key_ranges(keep, n_q:int, n_k:int, bh:int, chunk_size:Optional[int]):
+    "Chunks of query rows `(i0, i1, k0, k1)`: keys outside `[k0, k1)` are masked in every row of the chunk (`block_key_ranges`)."
+    # under torch.compile reading the mask's values would break the graph: compiled code visits every key (same numbers);
+    # empty inputs have nothing to skip (and block_key_ranges needs a query and a key to read the mask)
+    skip = keep is not None and n_q > 0 and n_k > 0 and not torch.compiler.is_compiling()
+    return block_key_ranges(keep if skip else None, n_q, n_k, _chunk_rows(n_q, n_k, bh, chunk_size))
+
+def _chunk_plan(ranges, n_q:int, n_k:int, k:int, bh:int, device, dtype):
+    """Each chunk of query rows `i0:i1` with its keys `[k0, k1)`, its strip `[lo, hi)` counted from `k0`, the strip's buckets
+    and their one-hot matrix (None when it would outgrow the chunk's scores)."""
     one_hots = {}   # interior chunks share their strip's geometry, so most chunks reuse one matrix
-    for i0, i1 in _chunks(n_q, n_k, bh, chunk_size):
+    for i0, i1, k0, k1 in ranges:
         lo, hi = _strip(i0, i1, n_q, n_k, k)
+        lo = min(max(lo, k0), k1); hi = min(max(hi, lo), k1)   # the part of the strip the chunk sees
         offset = i0 + n_k - n_q - lo
         idx = relative_buckets(i1 - i0, hi - lo, k, offset, device)
         geometry = (i1 - i0, hi - lo, offset)
         if geometry not in one_hots:
             fits = _one_hot_fits(i1 - i0, hi - lo, 2 * k + 1, bh, n_k)
             one_hots[geometry] = _one_hot_strip(idx, 2 * k + 1, dtype) if fits else None
-        yield i0, i1, lo, hi, idx, one_hots[geometry]
+        yield i0, i1, k0, k1, lo - k0, hi - k0, idx, one_hots[geometry]
+
+def _chunk_keep(keep, i0:int, i1:int, k0:int, k1:int):
+    "The mask of query rows `i0:i1` and keys `k0:k1`, `[b|1, 1, c|1, k1 - k0]`, or None."
+    if keep is None: return None
+    return (keep if keep.shape[2] == 1 else keep[:, :, i0:i1])[..., k0:k1]
 
 def _chunk_scores(q, k_aug, w_k, keep, i0, i1, idx, lo, hi):
-    "Scaled scores of query rows `i0:i1` with the key term and the mask: `[b, h, c, n_k]`."
+    "Scaled scores of query rows `i0:i1` against the chunk's keys `k_aug` with the key term and the chunk's mask: `[b, h, c, k1 - k0]`."
     qc = q[:, :, i0:i1]
     qw = torch.matmul(qc, w_k.T)                                   # q_i . w^K_r for every bucket r
     # tails ride along as two extra features: [q, qw_0, qw_2k] . [k, 1(j < lo), 1(j >= hi)]
     s = torch.matmul(torch.cat([qc, qw[..., :1], qw[..., -1:]], -1), k_aug.transpose(-1, -2))
     if hi > lo: s[..., lo:hi] += qw.gather(-1, idx.expand(*qw.shape[:-1], hi - lo))
-    if keep is not None: s.masked_fill_(~(keep if keep.shape[2] == 1 else keep[:, :, i0:i1]), masked_score(s.dtype))
+    if keep is not None: s.masked_fill_(~keep, masked_score(s.dtype))
     return s
 
 def _with_tails(x):
@@ -185,20 +198,21 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, w_k, w_v, keep, chunk_size):
         b, h, n_q, d = q.shape
         n_k, d_v, R = k.shape[2], v.shape[-1], w_k.shape[0]
-        kk = R // 2
+        ranges = _key_ranges(keep, n_q, n_k, b * h, chunk_size)   # computed once, reused by backward
         k_aug, v_aug = _with_tails(k), _with_tails(v)
         out = q.new_empty(b, h, n_q, d_v)
         pb = q.new_empty(b, h, n_q, R)                       # attention weights summed per bucket, for backward
-        for i0, i1, lo, hi, idx, one_hot in _chunk_plan(n_q, n_k, kk, b * h, chunk_size, q.device, q.dtype):
-            _set_tail_columns(k_aug, d, lo, hi); _set_tail_columns(v_aug, d_v, lo, hi)
-            p = torch.softmax(_chunk_scores(q, k_aug, w_k, keep, i0, i1, idx, lo, hi), -1)
-            o = torch.matmul(p, v_aug)                       # [sum_j p v_j, weight of the left tail, of the right tail]
+        for i0, i1, k0, k1, lo, hi, idx, one_hot in _chunk_plan(ranges, n_q, n_k, R // 2, b * h, q.device, q.dtype):
+            ka, va = k_aug[:, :, k0:k1], v_aug[:, :, k0:k1]  # the keys these rows may see: the others have weight 0
+            _set_tail_columns(ka, d, lo, hi); _set_tail_columns(va, d_v, lo, hi)
+            p = torch.softmax(_chunk_scores(q, ka, w_k, _chunk_keep(keep, i0, i1, k0, k1), i0, i1, idx, lo, hi), -1)
+            o = torch.matmul(p, va)                          # [sum_j p v_j, weight of the left tail, of the right tail]
             pbc = _bucket_sums(p, one_hot, idx, R, lo, hi, o[..., d_v:])
             pb[:, :, i0:i1] = pbc
             out[:, :, i0:i1] = torch.baddbmm(o[..., :d_v].reshape(-1, i1 - i0, d_v), pbc.reshape(-1, i1 - i0, R),
                                              w_v.expand(b * h, R, d_v)).view(b, h, i1 - i0, d_v)
         ctx.save_for_backward(q, k, v, w_k, w_v, keep, pb)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.ranges = chunk_size, ranges
         return out
 
     @staticmethod
@@ -208,29 +222,29 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
             return differentiable_backward(_relation_aware_reference, (q, k, v, w_k, w_v, keep, ctx.chunk_size), dout)
         b, h, n_q, d = q.shape
         n_k, d_v, R, bh = k.shape[2], v.shape[-1], w_k.shape[0], b * h
-        kk = R // 2
         dout = dout.contiguous()
         k_aug, v_aug = _with_tails(k), _with_tails(v)
         dq = torch.empty_like(q)
         dk, dv, dw_k = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(w_k)
         dk3, dv3 = dk.view(bh, n_k, d), dv.view(bh, n_k, d_v)
-        for i0, i1, lo, hi, idx, one_hot in _chunk_plan(n_q, n_k, kk, bh, ctx.chunk_size, q.device, q.dtype):
-            c = i1 - i0
-            _set_tail_columns(k_aug, d, lo, hi); _set_tail_columns(v_aug, d_v, lo, hi)
+        for i0, i1, k0, k1, lo, hi, idx, one_hot in _chunk_plan(ctx.ranges, n_q, n_k, R // 2, bh, q.device, q.dtype):
+            c, w = i1 - i0, k1 - k0
+            ka, va = k_aug[:, :, k0:k1], v_aug[:, :, k0:k1]
+            _set_tail_columns(ka, d, lo, hi); _set_tail_columns(va, d_v, lo, hi)
+            kc = _chunk_keep(keep, i0, i1, k0, k1)
             qc, do = q[:, :, i0:i1], dout[:, :, i0:i1]
-            p = torch.softmax(_chunk_scores(q, k_aug, w_k, keep, i0, i1, idx, lo, hi), -1)  # recomputed, not stored
-            dv3.baddbmm_(p.reshape(bh, c, n_k).transpose(1, 2), do.reshape(bh, c, d_v))
+            p = torch.softmax(_chunk_scores(q, ka, w_k, kc, i0, i1, idx, lo, hi), -1)  # recomputed, not stored
+            dv3[:, k0:k1].baddbmm_(p.reshape(bh, c, w).transpose(1, 2), do.reshape(bh, c, d_v))
             tw = torch.matmul(do, w_v.T)                     # dO_i . w^V_r: the value term's share of dP
-            dp = torch.matmul(torch.cat([do, tw[..., :1], tw[..., -1:]], -1), v_aug.transpose(-1, -2))
+            dp = torch.matmul(torch.cat([do, tw[..., :1], tw[..., -1:]], -1), va.transpose(-1, -2))
             if hi > lo: dp[..., lo:hi] += tw.gather(-1, idx.expand(b, h, c, hi - lo))
             ds = torch._softmax_backward_data(dp, p, -1, p.dtype)   # P * (dP - rowsum(P * dP))
             del dp, p
-            if keep is not None:  # a masked score is the constant -1e9: nothing flows back through it
-                ds.masked_fill_(~(keep if keep.shape[2] == 1 else keep[:, :, i0:i1]), 0)
-            dqa = torch.matmul(ds, k_aug)                    # [dS k, dS summed over the left tail, the right tail]
+            if kc is not None: ds.masked_fill_(~kc, 0)       # a masked score is the constant -1e9: nothing flows back through it
+            dqa = torch.matmul(ds, ka)                       # [dS k, dS summed over the left tail, the right tail]
             dsb = _bucket_sums(ds, one_hot, idx, R, lo, hi, dqa[..., d:])
             dq[:, :, i0:i1] = dqa[..., :d] + torch.matmul(dsb, w_k)
-            dk3.baddbmm_(ds.reshape(bh, c, n_k).transpose(1, 2), qc.reshape(bh, c, d))
+            dk3[:, k0:k1].baddbmm_(ds.reshape(bh, c, w).transpose(1, 2), qc.reshape(bh, c, d))
             dw_k.addmm_(dsb.reshape(-1, R).T, qc.reshape(-1, d))
         dw_v = pb.reshape(-1, R).T @ dout.reshape(-1, d_v)
         return dq, dk, dv, dw_k, dw_v, None, None

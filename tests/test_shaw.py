@@ -238,3 +238,139 @@ def test_fast_path_memory_is_bounded_by_chunks_not_tables():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         m(x, x, x, need_weights=True)
     assert max(saved) >= 1024 * 1024 * 4   # the readable path keeps n x n (and n x n x d) tensors
+
+
+# ---------------------------------------------------------------- skipping the keys a mask hides
+import relpos.shaw as shaw_module
+from relpos.mha import block_key_ranges
+
+
+def structured_keep(kind, b, n_q, n_k, g, window=3, empty_row=None):
+    "bool `[b|1, 1, n_q|1, n_k]` (True = may attend): causal (with memory when n_k > n_q), padding, both, sliding window."
+    i = torch.arange(n_q)[:, None] + (n_k - n_q)             # query i sits at key position i + n_k - n_q
+    j = torch.arange(n_k)[None]
+    lengths = torch.randint(0, n_k + 1, (b, 1), generator=g)  # keys kept per batch element (0: all padding)
+    keep = {'causal': (j <= i)[None, None],
+            'padding': (j < lengths)[:, None, None],
+            'causal+padding': ((j <= i)[None] & (j < lengths)[:, None])[:, None],
+            'window': ((j <= i) & (j > i - window))[None, None]}[kind]
+    if empty_row is not None and n_q:                        # one query of one batch element sees no key at all
+        keep = keep.expand(b, 1, n_q, n_k).clone(); keep[0, 0, empty_row % n_q] = False
+    return keep
+
+
+def no_skip(mask, n_q, n_k, block_rows):
+    "`block_key_ranges` that ignores the mask: every chunk visits every key (the path before key skipping)."
+    return block_key_ranges(None, n_q, n_k, block_rows)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n_q=st.integers(1, 30), mem=st.integers(0, 12), kk=st.integers(0, 10), chunk=st.sampled_from([None, 1, 3, 7, 16]),
+       kind=st.sampled_from(['causal', 'padding', 'causal+padding', 'window']), window=st.integers(1, 8),
+       empty_row=st.one_of(st.none(), st.integers(0, 100)), seed_=st.integers(0, 2**16))
+def test_fast_equals_reference_under_structured_masks_float64_values_and_gradients(n_q, mem, kk, chunk, kind, window,
+                                                                                   empty_row, seed_):
+    g = torch.Generator().manual_seed(seed_)
+    n_k = n_q + mem
+    q, k, v = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (n_q, n_k, n_k))
+    w_k, w_v = (torch.randn(2 * kk + 1, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    keep = structured_keep(kind, 2, n_q, n_k, g, window, empty_row)
+    dout = torch.randn(2, 3, n_q, 4, generator=g, dtype=torch.float64)
+    inputs = (q, k, v, w_k, w_v)
+    out = relation_aware_attention(*inputs, 0.4, keep, chunk)
+    ref = reference(*inputs, 0.4, keep)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out, inputs, dout)
+    ref_grads = torch.autograd.grad(ref, inputs, dout)
+    for name, a, b in zip(['q', 'k', 'v', 'w_k', 'w_v'], grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("n_q, mem, kk, chunk, kind", [(9, 0, 2, 2, 'causal'), (7, 4, 3, 3, 'causal'), (8, 2, 1, 3, 'window'),
+                                                       (6, 3, 5, 4, 'causal+padding')])
+def test_gradcheck_float64_under_causal_masks(n_q, mem, kk, chunk, kind):
+    g = torch.Generator().manual_seed(n_q * 10 + mem)
+    n_k = n_q + mem
+    q, k, v = (torch.randn(2, 2, n, 3, generator=g, dtype=torch.float64, requires_grad=True) for n in (n_q, n_k, n_k))
+    w_k, w_v = (torch.randn(2 * kk + 1, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    keep = structured_keep(kind, 2, n_q, n_k, g, window=2)
+    assert sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in block_key_ranges(keep, n_q, n_k, chunk)) < n_q * n_k  # keys skipped
+    assert torch.autograd.gradcheck(lambda *t: relation_aware_attention(*t, 0.5, keep, chunk), (q, k, v, w_k, w_v))
+
+
+def score_widths(monkeypatch, fn):
+    "Run `fn()`; return the `(rows, keys)` of every chunk's scores that `_chunk_scores` computed (forward and backward)."
+    shapes, chunk_scores = [], shaw_module._chunk_scores
+    def spy(*args):
+        s = chunk_scores(*args); shapes.append(tuple(s.shape[-2:])); return s
+    monkeypatch.setattr(shaw_module, '_chunk_scores', spy)
+    fn()
+    monkeypatch.undo()
+    return shapes
+
+
+def test_causal_mask_computes_about_half_the_scores(monkeypatch):
+    "n = 256 in chunks of c = 32: forward and backward each visit n^2/2 + n c/2 scores instead of n^2."
+    n, c = 256, 32
+    q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(3))
+    w_k, w_v = (torch.randn(2 * 4 + 1, 8, requires_grad=True) for _ in range(2))
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    for keep, scores in [(None, n * n), (causal, n * n // 2 + n * c // 2)]:
+        shapes = score_widths(monkeypatch, lambda: relation_aware_attention(q, k, v, w_k, w_v, 0.3, keep, c).sum().backward())
+        assert len(shapes) == 2 * n // c                              # one per chunk in forward, one in backward
+        assert sum(r * w for r, w in shapes) == 2 * scores, (keep is None, shapes)
+    # a padded tail is skipped too, and a chunk holding a fully masked row visits every key (the seed's uniform row)
+    pad = torch.ones(1, 1, 1, n, dtype=torch.bool); pad[..., 200:] = False
+    shapes = score_widths(monkeypatch, lambda: relation_aware_attention(q, k, v, w_k, w_v, 0.3, pad, c))
+    assert {w for _, w in shapes} == {200}
+    empty = causal.clone(); empty[..., 40, :] = False                 # query 40 (chunk 1) sees nothing
+    shapes = score_widths(monkeypatch, lambda: relation_aware_attention(q, k, v, w_k, w_v, 0.3, empty, c))
+    assert [w for _, w in shapes[:3]] == [32, n, 96]
+
+
+def test_module_causal_skipping_same_numbers_as_visiting_every_key(monkeypatch):
+    "The module with a causal mask (memory first), float32 and bf16 autocast: skipping keys changes no number beyond rounding."
+    torch.manual_seed(0)
+    m = RelationAwareMultiHeadAttention(32, 4, 3)
+    n, mem = 70, 10
+    x = torch.randn(2, mem + n, 32)
+    causal = torch.ones(n, mem + n, dtype=torch.bool).tril(mem)[None]      # [1, seq_q, seq_k], query i sees keys <= i + mem
+    widths = []
+    def run(skip, autocast=False, need_weights=False):
+        monkeypatch.setattr(shaw_module, '_chunk_rows', lambda *args: 16)   # several chunks at this small size
+        if not skip: monkeypatch.setattr(shaw_module, 'block_key_ranges', no_skip)
+        chunk_scores = shaw_module._chunk_scores
+        monkeypatch.setattr(shaw_module, '_chunk_scores', lambda *a: widths.append(a[1].shape[2]) or chunk_scores(*a))
+        m.zero_grad()
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+            out = m(x[:, mem:], x, x, mask=causal, need_weights=need_weights)
+        out.float().square().sum().backward()
+        monkeypatch.undo()
+        return out, {name: p.grad.clone() for name, p in m.named_parameters() if name != 'key_weights.bias'}
+    for autocast, tol in [(False, 1e-6), (True, 1e-2)]:   # bf16: a couple of ulps (2**-8) at most
+        widths.clear()
+        (out, grads), (out_all, grads_all) = run(True, autocast), run(False, autocast)
+        assert widths == [26, 42, 58, 74, 80] * 2 + [80] * 10, widths   # skipped (forward, backward), then every key
+        assert rel_err(out.float(), out_all.float()) <= tol, autocast
+        for name in grads: assert rel_err(grads[name], grads_all[name]) <= tol, (autocast, name)
+    out_readable, _ = run(True, autocast=True, need_weights=True)     # and the readable path, under autocast as before
+    assert rel_err(out.float(), out_readable.float()) <= 5e-2
+
+
+def test_per_bucket_weights_stay_exact_under_skipping():
+    "The per-bucket attention weights kept for dW^V: each row sums to 1 and equals the readable path's, in float64."
+    g = torch.Generator().manual_seed(0)
+    n_q, n_k, kk = 20, 26, 3
+    q, k, v = (torch.randn(2, 2, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (n_q, n_k, n_k))
+    w_k, w_v = (torch.randn(2 * kk + 1, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = structured_keep('causal', 2, n_q, n_k, g)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        relation_aware_attention(q, k, v, w_k, w_v, 0.5, keep, 3)
+    pb = saved[-1]
+    assert pb.shape == (2, 2, n_q, 2 * kk + 1)
+    idx = relative_buckets(n_q, n_k, kk, n_k - n_q)
+    p = ((q * 0.5) @ k.transpose(-1, -2) + (q * 0.5 @ w_k.T).gather(-1, idx.expand(2, 2, n_q, n_k))).masked_fill(~keep, -1e9).softmax(-1)
+    ref = torch.zeros_like(pb).scatter_add(-1, idx.expand(2, 2, n_q, n_k), p.detach())
+    torch.testing.assert_close(pb, ref, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(pb.sum(-1), torch.ones(2, 2, n_q, dtype=torch.float64), rtol=1e-13, atol=1e-13)
