@@ -279,7 +279,7 @@ def block_key_ranges(mask:Optional[torch.Tensor], # bool `[b|1, 1, n_q|1, n_k]`,
                     ) -> List[Tuple[int, int, int, int]]: # `(i0, i1, k0, k1)` per block
     "Blocks of `block_rows` query rows `i0:i1`, each with the keys `[k0, k1)` outside of which its mask rows hide every key."
     starts = range(0, n_q, block_rows)
-    if mask is None or n_k == 0: return [(i0, min(n_q, i0 + block_rows), 0, n_k) for i0 in starts]
+    if mask is None or n_q == 0 or n_k == 0: return [(i0, min(n_q, i0 + block_rows), 0, n_k) for i0 in starts]
     m = mask[:, 0]                                                   # [b|1, n_q|1, n_k]
     bounds = []
     for i0 in (starts if m.shape[1] > 1 else [0]):                   # one mask row for all queries: one range
