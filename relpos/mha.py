@@ -276,18 +276,26 @@ def block_key_ranges(mask:Optional[torch.Tensor], # bool `[b|1, 1, n_q|1, n_k]`,
                      n_q:int,                      # queries
                      n_k:int,                      # keys
                      block_rows:int,               # query rows per block
+                     empty_rows_see_all:bool=True, # a block holding a fully masked row keeps every key; False: the caller's such rows get zero weight anyway
                     ) -> List[Tuple[int, int, int, int]]: # `(i0, i1, k0, k1)` per block
     "Blocks of `block_rows` query rows `i0:i1`, each with the keys `[k0, k1)` outside of which its mask rows hide every key."
     starts = range(0, n_q, block_rows)
     if mask is None or n_q == 0 or n_k == 0: return [(i0, min(n_q, i0 + block_rows), 0, n_k) for i0 in starts]
-    m = mask[:, 0]                                                   # [b|1, n_q|1, n_k]
-    bounds = []
-    for i0 in (starts if m.shape[1] > 1 else [0]):                   # one mask row for all queries: one range
-        rows = m[:, i0:i0 + block_rows]
-        seen = rows.any(1).any(0)                                    # keys some row of the block may see, [n_k]
-        full = ~seen.any() | ~rows.any(-1).all()                     # a fully masked row: keep every key (see above)
-        k0 = torch.where(full, 0, seen.int().argmax())               # first key seen
-        k1 = torch.where(full, n_k, n_k - seen.flip(0).int().argmax())  # one past the last
-        bounds.append(torch.stack([k0, k1]))
-    bounds = torch.stack(bounds).tolist()                            # one device sync for all blocks
-    return [(i0, min(n_q, i0 + block_rows), *bounds[t if m.shape[1] > 1 else 0]) for t, i0 in enumerate(starts)]
+    # A few whole-mask reductions, not a few per block (each small op can wake the thread pool), on uint8 (a free
+    # view: torch's bool reductions over a middle dim are hundreds of times slower than amax)
+    m = mask[:, 0].view(torch.uint8)                                 # [b|1, n_q|1, n_k]
+    if m.shape[0] > 1 and m.stride(0) == 0: m = m[:1]                # expanded over the batch: one copy is enough
+    union = m.amax(0) if m.shape[0] > 1 else m[0]                    # keys some batch element may see, [n_q|1, n_k]
+    rows_seeing = m.amax(-1).amin(0) if empty_rows_see_all else torch.ones_like(union[:, 0])  # 0: a fully masked row
+    if union.shape[0] == 1: seen, row_seen = union, rows_seeing      # one mask row for all queries: one range
+    else:
+        whole = n_q // block_rows * block_rows                       # rows in whole blocks: views [blocks, rows, ...]
+        seen = [union[:whole].unflatten(0, (-1, block_rows)).amax(1)]            # keys a block may see, [blocks, n_k]
+        row_seen = [rows_seeing[:whole].unflatten(0, (-1, block_rows)).amin(1)]
+        if whole < n_q: seen.append(union[whole:].amax(0)[None]); row_seen.append(rows_seeing[whole:].amin()[None])
+        seen, row_seen = torch.cat(seen), torch.cat(row_seen)
+    full = (seen.amax(-1) == 0) | (row_seen == 0)                    # a fully masked row: keep every key (see above)
+    k0 = torch.where(full, 0, seen.argmax(-1))                       # first key seen
+    k1 = torch.where(full, n_k, n_k - seen.flip(-1).argmax(-1))      # one past the last
+    bounds = torch.stack([k0, k1], -1).tolist()                      # one device sync for all blocks
+    return [(i0, min(n_q, i0 + block_rows), *bounds[t if union.shape[0] > 1 else 0]) for t, i0 in enumerate(starts)]

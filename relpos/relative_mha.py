@@ -230,7 +230,8 @@ class _RelativeAttentionFn(torch.autograd.Function):
     def forward(ctx, qu, k, v, qpa, Ra, mask, dropout_p, seed, chunk_size, recompute, batched):
         b, h, n_q, _ = qu.shape
         n_k = k.shape[2]
-        blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size))  # keys the mask hides are skipped
+        # keys the mask hides are skipped; a fully masked row has weights 0 whatever keys its block reads
+        blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size), empty_rows_see_all=False)
         out = qu.new_empty(b, h, n_q, v.shape[-1])
         lse = qu.new_empty(b, h, n_q)
         probs = None if recompute else qu.new_empty(b, h, n_q, n_k)  # the softmax, kept for backward
@@ -302,7 +303,7 @@ def _dropout_keep(seed:int, b:int, h:int, n_q:int, n_k:int, p:float, mask, chunk
     def block(bb, hh, i0, i1, k0, k1):
         part = keep[bb, hh, i0:i1, k0:k1]
         part.copy_(_keep_mask(seed, _keep_key(bb, hh, b, n_q, i0), part.shape, p, device))
-    blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size))
+    blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size), empty_rows_see_all=False)
     if batched:
         for blk in blocks: block(slice(None), slice(None), *blk)
     else:
