@@ -7,12 +7,14 @@ __all__ = ['position_encoding', 'RelativeFourierPositions', 'sdpa_bias', 'Fourie
 
 # %% ../nbs/04_fourier.ipynb #e690aec3
 import math
+from functools import partial
 from typing import Optional
 import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention, functorch_active, differentiable_backward, head_workers, run_head_groups
+from .mha import (MultiHeadAttention, functorch_active, differentiable_backward, head_workers, run_head_groups,
+                        block_key_ranges)
 
 # %% ../nbs/04_fourier.ipynb #33934713
 def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
@@ -191,26 +193,40 @@ class RelativeFourierPositions(nn.Module):
 
 # %% ../nbs/04_fourier.ipynb #618dd769
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
+_BLOCK_SCORES = 2**18   # scores per block of the blockwise backward (1 MB in float32: stays in cache); tests shrink it
+
+def _causal_kind(mask:Optional[torch.Tensor], n_q:int, n_k:int) -> Optional[str]:
+    "'exact' if `mask` is the top-left causal mask (query i sees keys 0..i), 'inside' if it hides at least the keys right of that diagonal, else None."
+    if mask is None: return None
+    m = mask.expand(mask.shape[0], 1, n_q, n_k)
+    upper = torch.ones(n_q, n_k, dtype=torch.bool, device=mask.device).triu_(1)   # keys right of the diagonal
+    if (m & upper).any(): return None
+    return 'exact' if (m | upper).all() else 'inside'
 
 class _SDPAWithBiasGrad(torch.autograd.Function):
-    "softmax(q k^T * scale + bias) v with CPU flash attention, and the gradient of `bias` that SDPA's fused CPU kernels do not give."
+    "softmax(q k^T * scale + bias, masked) v with CPU flash attention, and the gradient of `bias` that SDPA's fused CPU kernels do not give."
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale):
-        out, lse = _flash_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
+    def forward(ctx, q, k, v, bias, scale, mask, causal):
+        # causal (see `_causal_kind`): the kernel's is_causal skips the key blocks right of the diagonal, which the mask
+        # hides anyway; when the mask is exactly that diagonal, the bias needs no -inf at all
+        attn_mask = bias if mask is None or causal == 'exact' else bias.masked_fill(~mask, float('-inf'))
+        out, lse = _flash_cpu(q, k, v, 0.0, causal is not None, attn_mask=attn_mask, scale=scale)
+        ctx.save_for_backward(q, k, v, bias, mask, out, lse)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        q, k, v, bias, mask, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again (see relpos.mha)
-            return differentiable_backward(_sdpa_reference, ctx.saved_tensors[:4] + (ctx.scale,), grad_out)
-        q, k, v, bias, out, lse = (t.contiguous() for t in ctx.saved_tensors)  # the blocks below want dense rows
+            return differentiable_backward(partial(_sdpa_reference, scale=ctx.scale, mask=mask), (q, k, v, bias),
+                                           grad_out) + (None, None, None)
+        q, k, v, bias, out, lse = (t.contiguous() for t in (q, k, v, bias, out, lse))  # the blocks want dense rows
         scale, grad_out = ctx.scale, grad_out.contiguous()
         batch, heads, nq, _ = q.shape
         nk = k.shape[-2]
         # Flash attention's backward, written out block by block so that dS, the gradient of the scores, is
-        # kept: dS is exactly the gradient of the bias. Blocks of (one batch, one head, c queries) x all keys,
+        # kept: dS is exactly the gradient of the bias. Blocks of (one batch, one head, c queries) x their keys,
         # ~2**18 scores (1 MB), stay in cache. lse and D = rowsum(dO * O) ride along as one extra column of the
         # two score-sized matrix products, so P = exp(q k^T * scale + bias - lse) and dP - D need no extra pass.
         D = (grad_out * out).sum(-1, keepdim=True)
@@ -218,37 +234,59 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
         qa, ka = torch.cat([q * scale, -lse.unsqueeze(-1).to(q.dtype)], -1), torch.cat([k, ones], -1)
         ga, va = torch.cat([grad_out, -D], -1), torch.cat([v, ones], -1)
         dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-        c = max(16, 2**18 // max(1, nk))
+        c = max(16, _BLOCK_SCORES // max(1, nk))
+        # Under a mask, block i0:i1 visits only keys [k0, k1): outside them every one of its rows has P = 0, so
+        # dV, dK, dQ and dS (hence the bias gradient, left at 0 there) get nothing from them.
+        blocks = block_key_ranges(mask, nq, nk, c)
+        # Inside [k0, k1) the masked scores are set to -inf (P = 0) block by block; blocks the mask leaves whole skip it
+        rows = None if mask is None else mask[:, 0].expand(-1, nq, -1)                      # [b|1, nq, nk]
+        hidden = [None if mask is None else ~rows[:, i0:i1, k0:k1] for i0, i1, k0, k1 in blocks]
+        hidden = [h if h is not None and h.any() else None for h in hidden]
 
         def _blocks(head_group, dbias):
             for h in head_group:
                 hb = h if bias.shape[1] > 1 else 0
                 for b in range(batch):
                     bb = b if bias.shape[0] > 1 else 0
-                    for i in range(0, nq, c):
-                        s = slice(i, i + c)
-                        p = torch.mm(qa[b, h, s], ka[b, h].T).add_(bias[bb, hb, s]).exp_()  # probabilities
-                        dv[b, h].addmm_(p.T, grad_out[b, h, s])
-                        ds = p.mul_(torch.mm(ga[b, h, s], va[b, h].T))                     # P * (dP - D)
-                        dbias[bb, hb, s] += ds
-                        torch.mm(ds, k[b, h], out=dq[b, h, s])
-                        dk[b, h].addmm_(ds.T, q[b, h, s])
+                    for (i0, i1, k0, k1), hide in zip(blocks, hidden):
+                        s, t = slice(i0, i1), slice(k0, k1)
+                        p = torch.mm(qa[b, h, s], ka[b, h, t].T).add_(bias[bb, hb, s, t])
+                        if hide is not None: p.masked_fill_(hide[b if hide.shape[0] > 1 else 0], float('-inf'))
+                        p = p.exp_()                                                        # probabilities
+                        dv[b, h, t].addmm_(p.T, grad_out[b, h, s])
+                        ds = p.mul_(torch.mm(ga[b, h, s], va[b, h, t].T))                  # P * (dP - D)
+                        dbias[bb, hb, s, t] += ds
+                        torch.mm(ds, k[b, h, t], out=dq[b, h, s])              # every row in one block
+                        dk[b, h, t].addmm_(ds.T, q[b, h, s])
 
         # The blocks are small: run them one thread per worker, workers over disjoint heads (no write races),
         # instead of letting every small op open an intra-op parallel region (each one a thread wake-up that
         # costs milliseconds on a busy machine).
         # (relpos.mha.head_workers: no more workers than torch's threads, the heads, or the CPUs this process may use)
-        workers = head_workers(heads, batch * heads * nq * nk)
+        workers = head_workers(heads, batch * heads * sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in blocks))
         shared_heads = bias.shape[1] == 1 and workers > 1   # then every worker needs its own accumulator
         buffers = [torch.zeros(bias.shape, dtype=q.dtype, device=q.device) for _ in range(workers if shared_heads else 1)]
         run_head_groups(workers, heads, lambda w, hs: _blocks(hs, buffers[w if shared_heads else 0]))
         dbias = buffers[0] if len(buffers) == 1 else torch.stack(buffers).sum(0)
-        return dq.mul_(scale), dk.mul_(scale), dv, dbias, None
+        return dq.mul_(scale), dk.mul_(scale), dv, dbias, None, None, None
 
-def _sdpa_reference(q, k, v, bias, scale, dropout_p=0.0):
-    "`softmax(q k^T * scale + bias) v` in ordinary differentiable ops: for higher-order gradients and `torch.func`."
+def _sdpa_reference(q, k, v, bias, scale, dropout_p=0.0, mask=None):
+    "`softmax(q k^T * scale + bias) v` (bias -inf where `mask` is False) in ordinary differentiable ops: for higher-order gradients and `torch.func`."
+    if mask is not None: bias = bias.masked_fill(~mask, float('-inf'))
     p = (q @ k.transpose(-1, -2) * scale + bias).softmax(-1)
     return (F.dropout(p, dropout_p) if dropout_p > 0 else p) @ v
+
+def _check_mask(mask, q, k):
+    "`mask` as a bool `[batch or 1, 1, seq_q or 1, seq_k]`, or an error naming what was expected."
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool torch.Tensor (True = may attend), got "
+                        f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+    b, nq, nk = q.shape[0], q.shape[2], k.shape[2]
+    if (mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] != 1 or mask.shape[2] not in (1, nq)
+            or mask.shape[3] != nk):
+        raise ValueError(f"mask must have shape [batch or 1, 1, seq_q or 1, seq_k] = [{b} or 1, 1, {nq} or 1, {nk}], "
+                         f"got {tuple(mask.shape)}")
+    return mask
 
 def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
               k:torch.Tensor,    # `[batch, heads, seq_k, d_k]`
@@ -257,12 +295,14 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
               scale:float,       # multiplies q k^T before the bias is added
               dropout_p:float=0.0,
               blockwise:Optional[bool]=None, # None: the blockwise backward from 256x256 scores up; True/False: force
+              mask:Optional[torch.Tensor]=None, # bool `[batch or 1, 1, seq_q or 1, seq_k]`, True = may attend: the bias is -inf where False
              ) -> torch.Tensor:
-    "`F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)` that stays on the fused CPU kernel when `bias` requires grad."
+    "`F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)` that stays on the fused CPU kernel when `bias` requires grad; with `mask`, the keys it hides are skipped."
+    if mask is not None: mask = _check_mask(mask, q, k)
     if not torch.compiler.is_compiling() and functorch_active():
         # torch.func (grad, vmap, jacrev): neither the autograd.Function below nor SDPA's fused CPU kernel (which
         # refuses an attn_mask that a transform differentiates) runs there; ordinary ops do
-        return _sdpa_reference(q, k, v, bias, scale, dropout_p)
+        return _sdpa_reference(q, k, v, bias, scale, dropout_p, mask=mask)
     use_flash = (_flash_cpu is not None and q.device.type == 'cpu' and bias.requires_grad and dropout_p == 0.0
                  and torch.is_grad_enabled() and q.dtype == k.dtype == v.dtype == bias.dtype
                  and q.dtype in (torch.float32, torch.float64) and bias.dim() == 4
@@ -271,8 +311,9 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
                  and not torch.compiler.is_compiling() and blockwise is not False
                  and (blockwise or q.shape[-2] * k.shape[-2] >= 2**16))  # small: SDPA's math path is cheaper
     if not use_flash:  # CUDA's fused kernels differentiate the bias themselves; elsewhere SDPA picks its math path
+        if mask is not None: bias = bias.masked_fill(~mask, float('-inf'))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout_p)
-    return _SDPAWithBiasGrad.apply(q, k, v, bias, scale)
+    return _SDPAWithBiasGrad.apply(q, k, v, bias, scale, mask, _causal_kind(mask, q.shape[2], k.shape[2]))
 
 # %% ../nbs/04_fourier.ipynb #d3b576df
 class FourierMultiHeadAttention(MultiHeadAttention):
@@ -303,7 +344,7 @@ class FourierMultiHeadAttention(MultiHeadAttention):
         if mask is not None:
             m = mask[..., 0].permute(2, 0, 1).unsqueeze(1)  # [b|1, 1, sq|1, sk], True = may attend
             row_ok = m.any(dim=-1, keepdim=True)
-            bias = bias.masked_fill(~(m | ~row_ok), float('-inf'))  # fully masked rows: attend to all, zeroed below
-        x = sdpa_bias(q, k, v, bias, self.scale, self.dropout.p if self.training else 0.0)
+            mask = m | ~row_ok                               # fully masked rows: attend to all, zeroed below
+        x = sdpa_bias(q, k, v, bias, self.scale, self.dropout.p if self.training else 0.0, mask=mask)
         if row_ok is not None: x = x * row_ok
         return x.permute(2, 0, 1, 3)

@@ -290,3 +290,141 @@ def test_sdpa_bias_thread_pool_path(heads_bias):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- masks: the keys a mask hides are skipped
+import relpos.fourier as fourier_mod
+from unittest import mock
+from torch.utils._python_dispatch import TorchDispatchMode
+from relpos.mha import block_key_ranges
+
+MASK_KINDS = ['causal', 'causal_memory', 'padding', 'causal_padding', 'random_empty_rows']
+
+
+def make_mask(kind, batch, nq, nk, g):
+    "bool `[batch|1, 1, nq, nk]`, True = may attend, as `FourierMultiHeadAttention.sdpa` builds it (fully masked rows kept)."
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None]
+    lengths = torch.randint(1, nk + 1, (batch, 1, 1, 1), generator=g)
+    if kind == 'causal': return (j <= i)[None, None]                        # needs nq == nk
+    if kind == 'causal_memory': return (j <= i + nk - nq)[None, None]
+    if kind == 'padding': return j[None, None] < lengths
+    if kind == 'causal_padding': return ((j <= i + nk - nq)[None, None] & (j[None, None] < lengths))
+    m = torch.rand(batch, 1, nq, nk, generator=g) > 0.4
+    m[:, :, torch.randint(0, nq, (2,), generator=g)] = False                # fully masked rows
+    return m
+
+
+def masked_reference(q, k, v, bias, scale, mask):
+    "SDPA's math path with the mask as -inf in the bias; fully masked rows attend to every key (the layer zeroes them)."
+    mask = mask | ~mask.any(-1, keepdim=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.masked_fill(~mask, float('-inf')), scale=scale)
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(MASK_KINDS), nq=st.integers(1, 70), mem=st.integers(0, 20), batch=st.integers(1, 2),
+       batch_bias=st.booleans(), heads_bias=st.sampled_from([1, 2]), dtype=st.sampled_from([torch.float32, torch.float64]),
+       seed=st.integers(0, 1000))
+def test_property_sdpa_bias_mask_matches_math_path(kind, nq, mem, batch, batch_bias, heads_bias, dtype, seed):
+    "Blocks of 16 rows (many blocks at small sizes), each over its own keys: output and all gradients as SDPA's math path."
+    nk = nq if kind == 'causal' else nq + mem
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, 2, n, 4, generator=g, dtype=dtype).requires_grad_() for n in (nq, nk, nk))
+    bias = torch.randn(batch if batch_bias else 1, heads_bias, nq, nk, generator=g, dtype=dtype).requires_grad_()
+    mask = make_mask(kind, batch, nq, nk, g)
+    go = torch.randn(batch, 2, nq, 4, generator=g, dtype=dtype)
+    res = []
+    with mock.patch.object(fourier_mod, '_BLOCK_SCORES', 1):
+        for f in (lambda *a: sdpa_bias(*a[:5], blockwise=True, mask=a[5] | ~a[5].any(-1, keepdim=True)), masked_reference):
+            out = f(q, k, v, bias, 0.4, mask)
+            res.append([out, *torch.autograd.grad((out * go).sum(), (q, k, v, bias))])
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@settings(max_examples=12, deadline=None)
+@given(kind=st.sampled_from(MASK_KINDS), n=st.integers(256, 300), mem=st.integers(0, 40), batch=st.integers(1, 2),
+       seed=st.integers(0, 1000))
+def test_property_layer_masked_fast_matches_readable(kind, n, mem, batch, seed):
+    "The layer under every kind of mask: fast path (blocks of 16 rows) == readable path, the rotation matrix's gradient included."
+    nk = n if kind == 'causal' else n + mem
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    layer = FourierMultiHeadAttention(2, 16, dropout_prob=0.0, max_number_of_keys=64, position_vector_size=8)
+    with torch.no_grad(): layer.positions.rotation_matrix.normal_()
+    x, mem_x = torch.randn(n, batch, 16, generator=g), torch.randn(nk, batch, 16, generator=g)
+    mask = make_mask(kind, batch, n, nk, g)[:, 0].permute(1, 2, 0)           # layer layout [nq, nk, batch]
+    w = torch.randn(n, batch, 16, generator=g)
+    res = []
+    with mock.patch.object(fourier_mod, '_BLOCK_SCORES', 1):
+        for need_weights in (True, False):
+            layer.zero_grad()
+            out = layer(query=x, key=mem_x, value=mem_x, mask=mask, need_weights=need_weights)
+            (out * w).sum().backward()
+            res.append([out.detach()] + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ['causal', 'causal_memory', 'padding'])
+def test_gradcheck_sdpa_bias_with_mask(kind):
+    g = torch.Generator().manual_seed(0)
+    nq, nk = 33, 33 if kind == 'causal' else 37
+    q, k, v = (torch.randn(2, 1, n, 2, generator=g, dtype=torch.float64, requires_grad=True) for n in (nq, nk, nk))
+    bias = torch.randn(1, 1, nq, nk, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = make_mask(kind, 2, nq, nk, g)
+    with mock.patch.object(fourier_mod, '_BLOCK_SCORES', 1):            # blocks of 16 rows: 3 blocks, 3 key ranges
+        assert torch.autograd.gradcheck(lambda *a: sdpa_bias(*a, 0.5, blockwise=True, mask=mask), (q, k, v, bias))
+        assert torch.autograd.gradgradcheck(lambda *a: sdpa_bias(*a, 0.5, blockwise=True, mask=mask), (q, k, v, bias))
+
+
+class _CountScores(TorchDispatchMode):
+    "Sums the output sizes of `aten.mm` (the backward's score-sized products) and records each flash call's is_causal."
+    def __init__(self):
+        super().__init__(); self.mm_out, self.is_causal = 0, []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.is_causal.append(args[4] if len(args) > 4 else kwargs.get('is_causal', False))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out):
+            self.mm_out += args[0].shape[0] * args[1].shape[1]
+        return out
+
+
+@pytest.mark.parametrize("kind", ['causal', 'causal_memory', None])
+def test_masked_keys_are_skipped(kind):
+    "Counted, not timed: under a causal mask the backward's matrix products cover about half the scores, and the forward's flash call skips the upper blocks."
+    batch, heads, n, mem, d = 2, 2, 512, 64, 8
+    nk = n if kind != 'causal_memory' else n + mem
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, m, d, generator=g, requires_grad=True) for m in (n, nk, nk))
+    bias = torch.randn(1, heads, n, nk, generator=g, requires_grad=True)
+    mask = None if kind is None else make_mask(kind, batch, n, nk, g)
+    with mock.patch.object(fourier_mod, '_BLOCK_SCORES', 2**14):        # blocks of 32 rows
+        out = sdpa_bias(q, k, v, bias, 0.3, mask=mask)
+        with _CountScores() as count:
+            out.sum().backward()
+    c = max(16, 2**14 // nk)
+    visited = sum((i1 - i0) * (k1 - k0) for i0, i1, k0, k1 in block_key_ranges(mask, n, nk, c))
+    # per (batch, head) and block: P = [q | -lse] @ [k | 1]^T and dP = [dO | -D] @ [v | 1]^T ([rows, keys]: the
+    # visited scores), and dQ = dS @ K ([rows, d]); dV and dK are addmm_, not counted
+    assert count.mm_out == batch * heads * (2 * visited + n * d)
+    full = n * nk
+    if kind is None: assert visited == full
+    else: assert visited < (0.56 if kind == 'causal' else 0.6) * full     # about half, plus the diagonal blocks
+    with _CountScores() as count:
+        sdpa_bias(q, k, v, bias, 0.3, mask=mask)
+    assert count.is_causal == [kind == 'causal']
+
+
+def test_sdpa_bias_mask_under_torch_func_and_bad_masks():
+    "torch.func takes the readable reference, mask included; a mask of the wrong shape or dtype is refused by name."
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 4, generator=g) for n in (300, 300, 300))
+    bias = torch.randn(1, 2, 300, 300, generator=g)
+    mask = make_mask('causal', 2, 300, 300, g)
+    want = torch.autograd.grad(masked_reference(q, k, v, bias.requires_grad_(), 0.3, mask).square().sum(), bias)[0]
+    got = torch.func.grad(lambda b: sdpa_bias(q, k, v, b, 0.3, mask=mask).square().sum())(bias.detach())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"mask must have shape \[batch or 1, 1, seq_q or 1, seq_k\]"):
+        sdpa_bias(q, k, v, bias, 0.3, mask=mask[0])
+    with pytest.raises(TypeError, match="mask must be a bool"):
+        sdpa_bias(q, k, v, bias, 0.3, mask=mask.float())
