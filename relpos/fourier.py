@@ -203,6 +203,34 @@ def _causal_kind(mask:Optional[torch.Tensor], n_q:int, n_k:int) -> Optional[str]
     if (m & upper).any(): return None
     return 'exact' if (m | upper).all() else 'inside'
 
+def _hidden_columns(mask:Optional[torch.Tensor], # bool `[b|1, 1, n_q|1, n_k]`, True = may attend; None: no mask
+                    n_q:int,                      # queries
+                    blocks:list,                  # `(i0, i1, k0, k1)` from `block_key_ranges`, blocks of equal rows
+                   ) -> list:                     # per block: None, or `(j0, j1, hidden)`
+    "Per block, the columns `k0+j0 : k0+j1` of its keys where `mask` hides any score, with `hidden` (True = hidden) over them; None where it hides none."
+    if mask is None or not blocks: return [None] * len(blocks)
+    hidden = ~mask[:, 0].expand(-1, n_q, -1)                                  # [b|1, n_q, n_k]
+    c, n_k = blocks[0][1] - blocks[0][0], hidden.shape[-1]
+    # which columns hold a hidden score, per block of rows (over the batch too): a few whole-mask ops, not a few per
+    # block (on a busy machine every small op costs a thread wake-up)
+    cols = hidden.new_zeros(len(blocks) * c, n_k)
+    cols[:n_q] = hidden.any(0)
+    cols = cols.view(len(blocks), c, n_k).any(1)                               # [blocks, n_k]
+    keys = torch.arange(n_k, device=mask.device)
+    k0, k1 = (torch.tensor([blk[i] for blk in blocks], device=mask.device)[:, None] for i in (2, 3))
+    cols &= (keys >= k0) & (keys < k1)                                         # only the keys the block visits
+    first, last = cols.int().argmax(-1) - k0[:, 0], n_k - cols.flip(-1).int().argmax(-1) - k0[:, 0]
+    out = []
+    for (i0, i1, k0_, k1_), any_, j0, j1 in zip(blocks, cols.any(-1).tolist(), first.tolist(), last.tolist()):
+        out.append((j0, j1, hidden[:, i0:i1, k0_ + j0:k0_ + j1]) if any_ else None)
+    return out
+
+def _with_hidden(blocks, mask, n_q): return blocks, _hidden_columns(mask, n_q, blocks)
+
+def _single_threaded(fn):
+    "`fn()` with one intra-op thread: the mask's few small ops, each of which would otherwise wake torch's thread pool (milliseconds on a busy machine)."
+    return run_head_groups(1, 1, lambda w, heads: fn())[0]
+
 class _SDPAWithBiasGrad(torch.autograd.Function):
     "softmax(q k^T * scale + bias, masked) v with CPU flash attention, and the gradient of `bias` that SDPA's fused CPU kernels do not give."
     @staticmethod
@@ -237,11 +265,9 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
         c = max(16, _BLOCK_SCORES // max(1, nk))
         # Under a mask, block i0:i1 visits only keys [k0, k1): outside them every one of its rows has P = 0, so
         # dV, dK, dQ and dS (hence the bias gradient, left at 0 there) get nothing from them.
-        blocks = block_key_ranges(mask, nq, nk, c)
-        # Inside [k0, k1) the masked scores are set to -inf (P = 0) block by block; blocks the mask leaves whole skip it
-        rows = None if mask is None else mask[:, 0].expand(-1, nq, -1)                      # [b|1, nq, nk]
-        hidden = [None if mask is None else ~rows[:, i0:i1, k0:k1] for i0, i1, k0, k1 in blocks]
-        hidden = [h if h is not None and h.any() else None for h in hidden]
+        # Inside [k0, k1) the masked scores are set to -inf (P = 0) block by block, only in the columns that hold
+        # any (causal: the diagonal's c columns); blocks the mask leaves whole skip it
+        blocks, hidden = _single_threaded(lambda: _with_hidden(block_key_ranges(mask, nq, nk, c), mask, nq))
 
         def _blocks(head_group, dbias):
             for h in head_group:
@@ -251,7 +277,9 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
                     for (i0, i1, k0, k1), hide in zip(blocks, hidden):
                         s, t = slice(i0, i1), slice(k0, k1)
                         p = torch.mm(qa[b, h, s], ka[b, h, t].T).add_(bias[bb, hb, s, t])
-                        if hide is not None: p.masked_fill_(hide[b if hide.shape[0] > 1 else 0], float('-inf'))
+                        if hide is not None:
+                            j0, j1, hm = hide
+                            p[:, j0:j1].masked_fill_(hm[b if hm.shape[0] > 1 else 0], float('-inf'))
                         p = p.exp_()                                                        # probabilities
                         dv[b, h, t].addmm_(p.T, grad_out[b, h, s])
                         ds = p.mul_(torch.mm(ga[b, h, s], va[b, h, t].T))                  # P * (dP - D)
@@ -313,7 +341,8 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
     if not use_flash:  # CUDA's fused kernels differentiate the bias themselves; elsewhere SDPA picks its math path
         if mask is not None: bias = bias.masked_fill(~mask, float('-inf'))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout_p)
-    return _SDPAWithBiasGrad.apply(q, k, v, bias, scale, mask, _causal_kind(mask, q.shape[2], k.shape[2]))
+    causal = _single_threaded(lambda: _causal_kind(mask, q.shape[2], k.shape[2]))
+    return _SDPAWithBiasGrad.apply(q, k, v, bias, scale, mask, causal)
 
 # %% ../nbs/04_fourier.ipynb #d3b576df
 class FourierMultiHeadAttention(MultiHeadAttention):
