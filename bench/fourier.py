@@ -1,8 +1,10 @@
-"Benchmark for `relpos.fourier` (nbs/04_fourier.ipynb): building the bias, and full attention forward+backward against plain SDPA."
+"""Benchmark for `relpos.fourier` (nbs/04_fourier.ipynb): building the bias; the attention layer forward+backward against
+plain SDPA, under a causal mask against causal SDPA, and forward-only (inference) against plain SDPA."""
 import torch
 from relpos.mha import MultiHeadAttention
 from relpos.fourier import RelativeFourierPositions, FourierMultiHeadAttention
 from relpos.bench import bench_table
+from bench.mha import self_attention_case, make_sdpa_causal, make_sdpa_plain  # noqa: F401 (cases named below)
 
 def _x(n, batch, d_model, device):
     return torch.randn(n, batch, d_model, device=device, requires_grad=True)
@@ -45,7 +47,19 @@ def make_bias_fast(n, batch=4, heads=8, d_model=512, device='cpu'):
     "The O(h·n·p) distance table, expanded to [1, h, n, n]."
     return _bias(n, True, heads, device)
 
-def main(sizes=(128, 512, 1024, 2048), reps=5):
+def make_fourier_causal(n, batch=4, heads=8, d_model=512, device='cpu', inference=False, **kw):
+    "FourierMultiHeadAttention under `bench.mha.causal_mask` (query i sees keys 0..i): the keys right of the diagonal are skipped."
+    torch.manual_seed(0)
+    return self_attention_case(FourierMultiHeadAttention(heads, d_model, dropout_prob=0.0), n, batch, d_model, device,
+                               causal=True, inference=inference)
+
+def make_fourier_plain(n, batch=4, heads=8, d_model=512, device='cpu', inference=False, **kw):
+    "FourierMultiHeadAttention without a mask (with `inference=True`: forward only, under `torch.inference_mode`)."
+    torch.manual_seed(0)
+    return self_attention_case(FourierMultiHeadAttention(heads, d_model, dropout_prob=0.0), n, batch, d_model, device,
+                               inference=inference)
+
+def main(sizes=(128, 512, 1024, 2048), causal_sizes=(1024, 2048), inference_sizes=(2048,), reps=5):
     configs = [dict(n=n) for n in sizes]
     bias = bench_table({'einsum': 'bench.fourier:make_bias_einsum', 'fast': 'bench.fourier:make_bias_fast'},
                        configs, baseline='einsum', reps=reps, title='Building the bias [1, 8, n, n] (h=8, p=128)')
@@ -53,4 +67,10 @@ def main(sizes=(128, 512, 1024, 2048), reps=5):
                         'meliad_style': 'bench.fourier:make_meliad_style'},
                        configs, baseline='sdpa', reps=reps,
                        title='Attention layer, batch 4, 8 heads, d_model 512, dropout 0')
-    return bias + '\n\n' + attn
+    causal = bench_table({'sdpa_causal': 'bench.mha:make_sdpa_causal', 'fourier': 'bench.fourier:make_fourier_causal'},
+                         [dict(n=n) for n in causal_sizes], baseline='sdpa_causal', reps=reps,
+                         title='Causal mask, batch 4, 8 heads, d_model 512 (sdpa_causal: is_causal=True)')
+    inference = bench_table({'sdpa': 'bench.mha:make_sdpa_plain', 'fourier': 'bench.fourier:make_fourier_plain'},
+                            [dict(n=n, inference=True) for n in inference_sizes], baseline='sdpa', backward=False,
+                            reps=reps, title='Inference (forward only, torch.inference_mode), no mask, batch 4, 8 heads, d_model 512')
+    return '\n\n'.join([bias, attn, causal, inference])
