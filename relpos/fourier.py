@@ -331,13 +331,19 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
         # torch.func (grad, vmap, jacrev): neither the autograd.Function below nor SDPA's fused CPU kernel (which
         # refuses an attn_mask that a transform differentiates) runs there; ordinary ops do
         return _sdpa_reference(q, k, v, bias, scale, dropout_p, mask=mask)
-    use_flash = (_flash_cpu is not None and q.device.type == 'cpu' and bias.requires_grad and dropout_p == 0.0
-                 and torch.is_grad_enabled() and q.dtype == k.dtype == v.dtype == bias.dtype
-                 and q.dtype in (torch.float32, torch.float64) and bias.dim() == 4
-                 and bias.shape[0] in (1, q.shape[0]) and bias.shape[1] in (1, q.shape[1])
-                 and bias.shape[2:] == (q.shape[2], k.shape[2])
-                 and not torch.compiler.is_compiling() and blockwise is not False
+    kernel_ok = (_flash_cpu is not None and q.device.type == 'cpu' and dropout_p == 0.0 and blockwise is not False
+                 and q.dtype == k.dtype == v.dtype == bias.dtype and q.dtype in (torch.float32, torch.float64)
+                 and bias.dim() == 4 and bias.shape[0] in (1, q.shape[0]) and bias.shape[1] in (1, q.shape[1])
+                 and bias.shape[2:] == (q.shape[2], k.shape[2]) and not torch.compiler.is_compiling())
+    use_flash = (kernel_ok and bias.requires_grad and torch.is_grad_enabled()
                  and (blockwise or q.shape[-2] * k.shape[-2] >= 2**16))  # small: SDPA's math path is cheaper
+    if (kernel_ok and mask is not None and not use_flash
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, bias)))):
+        # nothing to differentiate (inference, evaluation): SDPA cannot take a mask together with is_causal, its kernel can
+        causal = _single_threaded(lambda: _causal_kind(mask, q.shape[2], k.shape[2]))
+        if causal is not None:
+            attn_mask = bias if causal == 'exact' else bias.masked_fill(~mask, float('-inf'))
+            return _flash_cpu(q, k, v, 0.0, True, attn_mask=attn_mask, scale=scale)[0]
     if not use_flash:  # CUDA's fused kernels differentiate the bias themselves; elsewhere SDPA picks its math path
         if mask is not None: bias = bias.masked_fill(~mask, float('-inf'))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=dropout_p)
@@ -366,8 +372,11 @@ class FourierMultiHeadAttention(MultiHeadAttention):
         return self.positions(seq_len_q, seq_len_k)
 
     def sdpa(self, query, key, value, mask, bias=None):
-        "The base class's fast path, with the trainable bias kept on the fused CPU kernel (see `sdpa_bias`)."
-        if bias is None or not (bias.requires_grad or functorch_active()): return super().sdpa(query, key, value, mask, bias)
+        "The base class's fast path, with the trainable bias kept on the fused CPU kernel and the keys a mask hides skipped (see `sdpa_bias`)."
+        # sdpa_bias: a bias to train (or torch.func), or a mask with nothing to differentiate (its causal forward)
+        forward_only = not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias)))
+        if bias is None or not (bias.requires_grad or functorch_active() or (mask is not None and forward_only)):
+            return super().sdpa(query, key, value, mask, bias)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
         row_ok, bias = None, bias.to(q.dtype)
         if mask is not None:

@@ -428,3 +428,28 @@ def test_sdpa_bias_mask_under_torch_func_and_bad_masks():
         sdpa_bias(q, k, v, bias, 0.3, mask=mask[0])
     with pytest.raises(TypeError, match="mask must be a bool"):
         sdpa_bias(q, k, v, bias, 0.3, mask=mask.float())
+
+
+@pytest.mark.parametrize("mode", ['no_grad', 'inference_mode', 'frozen'])
+@pytest.mark.parametrize("kind", ['causal', 'causal_padding', 'causal_memory', 'random_empty_rows'])
+def test_layer_forward_only_under_masks(mode, kind):
+    "Nothing to differentiate (evaluation, inference): a causal mask runs the flash kernel with is_causal, any mask gives the readable path's numbers."
+    n, batch = 64, 2
+    nk = n if kind in ('causal', 'causal_padding') else n + 16
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    layer = FourierMultiHeadAttention(2, 16, dropout_prob=0.0, max_number_of_keys=64, position_vector_size=8)
+    with torch.no_grad(): layer.positions.rotation_matrix.normal_()
+    x, kv = torch.randn(n, batch, 16, generator=g), torch.randn(nk, batch, 16, generator=g)
+    if kind == 'causal_padding':
+        mask = make_mask('causal', batch, n, nk, g) & (torch.arange(nk) < torch.tensor([50, 64])[:, None, None, None])
+    else:
+        mask = make_mask(kind, batch, n, nk, g)
+    mask = mask[:, 0].permute(1, 2, 0)                                       # layer layout [nq, nk, batch]
+    want = layer(query=x, key=kv, value=kv, mask=mask, need_weights=True).detach()
+    if mode == 'frozen': layer.requires_grad_(False)
+    ctx = {'no_grad': torch.no_grad, 'inference_mode': torch.inference_mode, 'frozen': torch.enable_grad}[mode]
+    with ctx(), _CountScores() as count:
+        got = layer(query=x, key=kv, value=kv, mask=mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert count.is_causal == ([True] if kind in ('causal', 'causal_padding') else [False] * len(count.is_causal))
