@@ -334,7 +334,8 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
     kernel_ok = (_flash_cpu is not None and q.device.type == 'cpu' and dropout_p == 0.0 and blockwise is not False
                  and q.dtype == k.dtype == v.dtype == bias.dtype and q.dtype in (torch.float32, torch.float64)
                  and bias.dim() == 4 and bias.shape[0] in (1, q.shape[0]) and bias.shape[1] in (1, q.shape[1])
-                 and bias.shape[2:] == (q.shape[2], k.shape[2]) and not torch.compiler.is_compiling())
+                 and bias.shape[2:] == (q.shape[2], k.shape[2]) and not torch.compiler.is_compiling()
+                 and q.shape[2] > 0 and k.shape[2] > 0)   # the kernel divides by zero on empty sequences (SIGFPE)
     use_flash = (kernel_ok and bias.requires_grad and torch.is_grad_enabled()
                  and (blockwise or q.shape[-2] * k.shape[-2] >= 2**16))  # small: SDPA's math path is cheaper
     if (kernel_ok and mask is not None and not use_flash

@@ -453,3 +453,25 @@ def test_layer_forward_only_under_masks(mode, kind):
         got = layer(query=x, key=kv, value=kv, mask=mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert count.is_causal == ([True] if kind in ('causal', 'causal_padding') else [False] * len(count.is_causal))
+
+
+def test_empty_sequences_with_mask_do_not_reach_the_kernel():
+    "The flash kernel divides by zero on an empty sequence (SIGFPE kills the process): run in a child process."
+    import subprocess, sys
+    code = """
+import torch
+from relpos.fourier import FourierMultiHeadAttention, sdpa_bias
+layer = FourierMultiHeadAttention(2, 16, dropout_prob=0.0, max_number_of_keys=16, position_vector_size=8).eval()
+for nq, nk in [(0, 5), (0, 0)]:
+    for ctx in (torch.no_grad, torch.enable_grad):
+        x, kv = torch.randn(nq, 2, 16), torch.randn(nk, 2, 16)
+        with ctx(): assert layer(query=x, key=kv, value=kv, mask=torch.ones(nq, nk, 1, dtype=torch.bool)).shape == (nq, 2, 16)
+for nq, nk in [(0, 5), (3, 0)]:
+    q, k, v = torch.randn(1, 2, nq, 4, requires_grad=True), torch.randn(1, 2, nk, 4), torch.randn(1, 2, nk, 4)
+    b = torch.randn(1, 2, nq, nk, requires_grad=True)
+    for m in (None, torch.ones(1, 1, nq, nk, dtype=torch.bool)):
+        sdpa_bias(q, k, v, b, 0.3, blockwise=True, mask=m).sum().backward()
+print('ok')
+"""
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ})
+    assert r.returncode == 0 and r.stdout.strip() == 'ok', (r.returncode, r.stderr[-2000:])
