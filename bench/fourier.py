@@ -70,7 +70,8 @@ def main(sizes=(128, 512, 1024, 2048), causal_sizes=(1024, 2048), inference_size
     causal = bench_table({'sdpa_causal': 'bench.mha:make_sdpa_causal', 'fourier': 'bench.fourier:make_fourier_causal'},
                          [dict(n=n) for n in causal_sizes], baseline='sdpa_causal', reps=reps,
                          title='Causal mask, batch 4, 8 heads, d_model 512 (sdpa_causal: is_causal=True)')
-    inference = bench_table({'sdpa': 'bench.mha:make_sdpa_plain', 'fourier': 'bench.fourier:make_fourier_plain'},
-                            [dict(n=n, inference=True) for n in inference_sizes], baseline='sdpa', backward=False,
-                            reps=reps, title='Inference (forward only, torch.inference_mode), no mask, batch 4, 8 heads, d_model 512')
+    inference = bench_table({'sdpa': 'bench.mha:make_sdpa_plain', 'sdpa_causal': 'bench.mha:make_sdpa_causal',
+                             'fourier': 'bench.fourier:make_fourier_plain', 'fourier_causal': 'bench.fourier:make_fourier_causal'},
+                            [dict(n=n, inference=True) for n in inference_sizes], baseline='sdpa', backward=False, reps=reps,
+                            title='Inference (forward only, torch.inference_mode), no mask and causal, batch 4, 8 heads, d_model 512')
     return '\n\n'.join([bias, attn, causal, inference])
