@@ -20,7 +20,7 @@ def make_sdpa(n, batch=4, heads=8, d_model=512, device='cpu'):
     return _layer(MultiHeadAttention, n, batch, heads, d_model, device)
 
 def make_fourier(n, batch=4, heads=8, d_model=512, device='cpu'):
-    "FourierMultiHeadAttention as shipped: fast bias, trainable, bias gradient on the fused CPU kernel."
+    "FourierMultiHeadAttention as shipped, no mask: its distance table to the Toeplitz kernel (`relpos.t5.toeplitz_attention`), no `[n, n]` bias."
     return _layer(FourierMultiHeadAttention, n, batch, heads, d_model, device)
 
 class _MeliadStyle(FourierMultiHeadAttention):
@@ -59,7 +59,7 @@ def make_fourier_plain(n, batch=4, heads=8, d_model=512, device='cpu', inference
     return self_attention_case(FourierMultiHeadAttention(heads, d_model, dropout_prob=0.0), n, batch, d_model, device,
                                inference=inference)
 
-def main(sizes=(128, 512, 1024, 2048), causal_sizes=(1024, 2048), inference_sizes=(2048,), reps=5):
+def main(sizes=(128, 512, 1024, 2048), causal_sizes=(1024, 2048), inference_sizes=(2048,), long_sizes=(1024, 2048, 4096, 8192), reps=5):
     configs = [dict(n=n) for n in sizes]
     bias = bench_table({'einsum': 'bench.fourier:make_bias_einsum', 'fast': 'bench.fourier:make_bias_fast'},
                        configs, baseline='einsum', reps=reps, title='Building the bias [1, 8, n, n] (h=8, p=128)')
@@ -74,4 +74,7 @@ def main(sizes=(128, 512, 1024, 2048), causal_sizes=(1024, 2048), inference_size
                              'fourier': 'bench.fourier:make_fourier_plain', 'fourier_causal': 'bench.fourier:make_fourier_causal'},
                             [dict(n=n, inference=True) for n in inference_sizes], baseline='sdpa', backward=False, reps=reps,
                             title='Inference (forward only, torch.inference_mode), no mask and causal, batch 4, 8 heads, d_model 512')
-    return '\n\n'.join([bias, attn, causal, inference])
+    long = bench_table({'sdpa': 'bench.fourier:make_sdpa', 'fourier': 'bench.fourier:make_fourier'},
+                       [dict(n=n, batch=1) for n in long_sizes], baseline='sdpa', reps=2,
+                       title='Long sequences: attention layer, batch 1, 8 heads, d_model 512, no mask')
+    return '\n\n'.join([bias, attn, causal, inference, long])

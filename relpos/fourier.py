@@ -161,17 +161,17 @@ class RelativeFourierPositions(nn.Module):
     def bias_fast(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
         "The same bias from its `num_queries + num_keys - 1` distinct values: `T[h, r] = a·cos(pi r/w) + b·sin(pi r/w)`."
         if num_queries == 0 or num_keys == 0: return self.bias_einsum(num_queries, num_keys, offset)
+        # bias[h, i, j] = table[h, j - i + q - 1]: windows of k consecutive distances, last query first
+        return self.distance_table(num_queries, num_keys, offset).unfold(-1, num_keys, 1).flip(-2)[None]
+
+    def distance_table(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
+        "`[num_heads, num_queries + num_keys - 1]`: the bias of each distance `j - i`, smallest first (column `j - i + num_queries - 1`)."
         # autocast would compute the table in bf16/fp16 and accumulate the parameter's gradient over the
         # n diagonals in that dtype; the table is small (h x (q+k-1)): compute it in `self.dtype`
         with torch.autocast(self.rotation_matrix.device.type, enabled=False):
-            return self._bias_fast(num_queries, num_keys, offset)
-
-    def _bias_fast(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
-        r_lo = -(offset + num_queries - 1)                                           # key - query, smallest
-        dist = self._rows('distances', r_lo, r_lo + num_queries + num_keys - 1)      # [q+k-1, p]
-        table = self.rotation_matrix.to(self.dtype) @ dist.to(self.dtype).T          # [h, q+k-1]
-        # bias[h, i, j] = table[h, j - i + q - 1]: windows of k consecutive distances, last query first
-        return table.unfold(-1, num_keys, 1).flip(-2)[None]
+            r_lo = -(offset + num_queries - 1)                                       # key - query, smallest
+            dist = self._rows('distances', r_lo, r_lo + num_queries + num_keys - 1)  # [q+k-1, p]
+            return self.rotation_matrix.to(self.dtype) @ dist.to(self.dtype).T      # [h, q+k-1]
 
     def forward(self,
                 num_queries:int,          # number of queries
@@ -372,6 +372,18 @@ class FourierMultiHeadAttention(MultiHeadAttention):
                              f"got seq_len_q={seq_len_q}, seq_len_k={seq_len_k}")
         return self.positions(seq_len_q, seq_len_k)
 
+    def attention_fast(self, query, key, value, mask):
+        "No mask or the causal one: the distance table itself to `relpos.t5.toeplitz_attention` (no `[n, n]` bias is built); any other mask: `sdpa` below."
+        nq, nk = query.shape[0], key.shape[0]
+        causal = mask is not None and not torch.compiler.is_compiling() and _t5._is_causal(mask, nq, nk)
+        if not (self.positions.fast and 0 < nq <= nk and (mask is None or causal)):
+            return super().attention_fast(query, key, value, mask)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
+        table = self.positions.distance_table(nq, nk, nk - nq).to(q.dtype)
+        x = _t5.toeplitz_attention(q, k, v, table, self.scale, causal, self.dropout.p if self.training else 0.0)
+        x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf query row stays NaN, as on the base class's path
+        return x.permute(2, 0, 1, 3)
+
     def sdpa(self, query, key, value, mask, bias=None):
         "The base class's fast path, with the trainable bias kept on the fused CPU kernel and the keys a mask hides skipped (see `sdpa_bias`)."
         # sdpa_bias: a bias to train (or torch.func), or a mask with nothing to differentiate (its causal forward)
@@ -387,3 +399,9 @@ class FourierMultiHeadAttention(MultiHeadAttention):
         x = sdpa_bias(q, k, v, bias, self.scale, self.dropout.p if self.training else 0.0, mask=mask)
         if row_ok is not None: x = x * row_ok
         return x.permute(2, 0, 1, 3)
+
+# %% ../nbs/04_fourier.ipynb #b196f78f
+# The layer's Toeplitz kernel is chapter 8's (relpos.t5, written for T5's bucket bias, also a function of the
+# distance alone). relpos.t5 imports this module, so it is imported last, as a module: in either import order
+# `_t5.toeplitz_attention` is there by the time a layer runs.
+from . import t5 as _t5

@@ -433,7 +433,7 @@ def test_sdpa_bias_mask_under_torch_func_and_bad_masks():
 @pytest.mark.parametrize("mode", ['no_grad', 'inference_mode', 'frozen'])
 @pytest.mark.parametrize("kind", ['causal', 'causal_padding', 'causal_memory', 'random_empty_rows'])
 def test_layer_forward_only_under_masks(mode, kind):
-    "Nothing to differentiate (evaluation, inference): a causal mask runs the flash kernel with is_causal, any mask gives the readable path's numbers."
+    "Nothing to differentiate (evaluation, inference): a causal mask with padding runs the flash kernel with is_causal, the plain causal one the Toeplitz kernel; any mask gives the readable path's numbers."
     n, batch = 64, 2
     nk = n if kind in ('causal', 'causal_padding') else n + 16
     g = torch.Generator().manual_seed(0)
@@ -452,7 +452,10 @@ def test_layer_forward_only_under_masks(mode, kind):
     with ctx(), _CountScores() as count:
         got = layer(query=x, key=kv, value=kv, mask=mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert count.is_causal == ([True] if kind in ('causal', 'causal_padding') else [False] * len(count.is_causal))
+    if kind == 'causal':   # the distance table to relpos.t5's Toeplitz kernel: flash calls over bias blocks, no is_causal
+        assert count.is_causal and not any(count.is_causal), count.is_causal
+    else:
+        assert count.is_causal == ([True] if kind == 'causal_padding' else [False] * len(count.is_causal))
 
 
 def test_empty_sequences_with_mask_do_not_reach_the_kernel():
@@ -475,3 +478,42 @@ print('ok')
 """
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ})
     assert r.returncode == 0 and r.stdout.strip() == 'ok', (r.returncode, r.stderr[-2000:])
+
+
+@settings(max_examples=15, deadline=None)
+@given(causal=st.booleans(), nq=st.integers(1, 40), mem=st.integers(0, 12), batch=st.integers(1, 2),
+       seed=st.integers(0, 1000))
+def test_property_layer_toeplitz_path_matches_readable(causal, nq, mem, batch, seed):
+    "No mask or the causal one: the layer hands the distance table to relpos.t5's Toeplitz kernel; float64 values and every gradient equal the readable path's."
+    from relpos import t5 as t5_mod
+    nk = nq + mem
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    layer = FourierMultiHeadAttention(2, 16, dropout_prob=0.0, max_number_of_keys=64, position_vector_size=8).double()
+    with torch.no_grad(): layer.positions.rotation_matrix.normal_()
+    x, kv = torch.randn(nq, batch, 16, generator=g, dtype=torch.float64), torch.randn(nk, batch, 16, generator=g, dtype=torch.float64)
+    mask = torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)[:, :, None] if causal else None
+    w = torch.randn(nq, batch, 16, generator=g, dtype=torch.float64)
+    res = []
+    for need_weights in (True, False):
+        layer.zero_grad()
+        with mock.patch.object(t5_mod, 'toeplitz_attention', wraps=t5_mod.toeplitz_attention) as spy:
+            out = layer(query=x, key=kv, value=kv, mask=mask, need_weights=need_weights)
+        assert spy.call_count == (0 if need_weights else 1)
+        (out * w).sum().backward()
+        res.append([out.detach()] + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_layer_toeplitz_path(causal):
+    "float64 gradcheck of the layer's Toeplitz path: inputs and the rotation matrix."
+    torch.manual_seed(0)
+    layer = FourierMultiHeadAttention(2, 8, dropout_prob=0.0, max_number_of_keys=16, position_vector_size=4).double()
+    x = torch.randn(5, 1, 8, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(7, 1, 8, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(5, 7, dtype=torch.bool).tril(2)[:, :, None] if causal else None
+    rot = layer.positions.rotation_matrix
+    def f(x, kv, r):
+        return torch.func.functional_call(layer, {'positions.rotation_matrix': r}, (), dict(query=x, key=kv, value=kv, mask=mask))
+    assert torch.autograd.gradcheck(f, (x, kv, rot.detach().clone().requires_grad_()))
