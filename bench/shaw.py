@@ -60,8 +60,9 @@ def make_seed(n, batch=4, heads=8, hidden=512, k=16, device='cpu', mem=0):
 CASES = {name: f'bench.shaw:make_{name}' for name in ['sdpa', 'fast', 'key_only_sdpa', 'readable', 'seed']}
 
 
-def main(ns=(128, 512, 1024, 2048), reps=3, cases=None, mem=(0,), causal_ns=(1024, 2048), inference_ns=(2048,)):
-    "The table of every case, then a causal table (baseline: SDPA with `is_causal=True`) and a forward-only inference table."
+def main(ns=(128, 512, 1024, 2048), reps=3, cases=None, mem=(0,), causal_ns=(1024, 2048), inference_ns=(2048,),
+         long_ns=(1024, 2048, 4096, 8192)):
+    "The table of every case, a causal table (baseline: SDPA with `is_causal=True`), a forward-only inference table, and long sequences at batch 1."
     cases = {c: CASES[c] for c in (cases or CASES)}
     configs = [dict(n=n, mem=m) for n in ns for m in mem]
     tables = [bench_table(cases, configs, baseline='sdpa', reps=reps,
@@ -78,4 +79,8 @@ def main(ns=(128, 512, 1024, 2048), reps=3, cases=None, mem=(0,), causal_ns=(102
                                   [dict(n=n, inference=True) for n in inference_ns], baseline='sdpa', backward=False, reps=reps,
                                   title='shaw, inference: forward only under torch.inference_mode, batch 4, 8 heads, hidden 512, k=16 '
                                         '(baseline: the same projections, SDPA, no mask)'))
+    if long_ns:
+        tables.append(bench_table({'sdpa': 'bench.shaw:make_sdpa', 'fast': 'bench.shaw:make_fast'},
+                                  [dict(n=n, batch=1) for n in long_ns], baseline='sdpa', reps=2,
+                                  title='shaw, long sequences: forward+backward, batch 1, 8 heads, hidden 512, k=16, no mask'))
     return '\n\n'.join(tables)

@@ -12,7 +12,7 @@ import copy, math
 from typing import List, Optional, Tuple
 import torch
 from torch import nn
-from .mha import MultiHeadAttention, functorch_active, differentiable_backward, check_chunk_size, head_workers, run_head_groups, block_key_ranges
+from .mha import MultiHeadAttention, functorch_active, differentiable_backward, check_chunk_size, head_workers, run_head_groups, block_key_ranges, block_rows
 from .shift import shift_right
 
 # %% ../nbs/02_relative_mha.ipynb #c5f9c2e7
@@ -122,10 +122,11 @@ def extend_position_tables(model:nn.Module, # a model or module holding `Relativ
 # %% ../nbs/02_relative_mha.ipynb #f6044ac8
 def sinusoid_positions(distance:torch.Tensor, # `[n]` relative distances $i - j$ (any real values)
                        d_model:int,            # even number of features
+                       dtype:torch.dtype=torch.float32, # computed in: float32 as the paper's code; float64 for float64 work
                       ) -> torch.Tensor:       # `[n, d_model]`: `[sin(d w_k), cos(d w_k)]`, w_k = 10000^(-2k/d_model)
     "Transformer-XL's sinusoid encoding of relative distances (sines in the first half, cosines in the second)."
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2, device=distance.device, dtype=torch.float32) / d_model))
-    angles = distance.float()[:, None] * inv_freq[None, :]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2, device=distance.device, dtype=dtype) / d_model))
+    angles = distance.to(dtype)[:, None] * inv_freq[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
 # %% ../nbs/02_relative_mha.ipynb #601e794a
@@ -144,16 +145,18 @@ class XLRelativeMultiHeadAttention(_RelativeAttention):
     def position_tables(self, seq_len_q, seq_len_k):
         # window row w serves j - i = w - n_k, i.e. the paper's distance i - j = n_k - w
         dist = seq_len_k - torch.arange(seq_len_k + seq_len_q, device=self.u.device)
-        r = self.pos_linear(sinusoid_positions(dist, self.d_model).to(self.u.dtype))
+        # float32 sines differ between CPU and GPU in the last bit: a float64 layer computes them in float64
+        sin_dtype = torch.float64 if self.u.dtype == torch.float64 else torch.float32
+        r = self.pos_linear(sinusoid_positions(dist, self.d_model, sin_dtype).to(self.u.dtype))
         r = r.view(-1, self.heads, self.d_k)                                # W_{k,R} R_{i-j}
         return r, (r * self.v).sum(-1)                                      # and v . W_{k,R} R_{i-j}
 
     def content_bias(self): return self.u
 
 # %% ../nbs/02_relative_mha.ipynb #2b82e506
-def _block_rows(n_k:int, chunk_size:Optional[int]) -> int:
-    "Query rows per block: `chunk_size`, or about 2**18 scores per head (1 MB in float32: a block stays in cache), at least 128."
-    return chunk_size or max(128, 2 ** 18 // max(1, n_k))
+def _block_rows(n_k:int, chunk_size:Optional[int], lanes:int, device) -> int:
+    "Query rows per block: `chunk_size`, or `block_rows`'s: on CPU about 2**18 scores per head (1 MB in float32: a block stays in cache), at least 128."
+    return chunk_size or block_rows(n_k, lanes, device, 2 ** 18 * lanes, 128)
 
 def _block_scores(qu, kT, qpa, Ra, mask, out=None):
     """Scores `[..., c, n]` of one block: queries `qu [..., c, d]` against keys `kT [..., d, n]`, plus the position term
@@ -231,7 +234,7 @@ class _RelativeAttentionFn(torch.autograd.Function):
         b, h, n_q, _ = qu.shape
         n_k = k.shape[2]
         # keys the mask hides are skipped; a fully masked row has weights 0 whatever keys its block reads
-        blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size), empty_rows_see_all=False)
+        blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size, b * h if batched else 1, qu.device), empty_rows_see_all=False)
         out = qu.new_empty(b, h, n_q, v.shape[-1])
         lse = qu.new_empty(b, h, n_q)
         probs = None if recompute else qu.new_empty(b, h, n_q, n_k)  # the softmax, kept for backward
@@ -303,7 +306,7 @@ def _dropout_keep(seed:int, b:int, h:int, n_q:int, n_k:int, p:float, mask, chunk
     def block(bb, hh, i0, i1, k0, k1):
         part = keep[bb, hh, i0:i1, k0:k1]
         part.copy_(_keep_mask(seed, _keep_key(bb, hh, b, n_q, i0), part.shape, p, device))
-    blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size), empty_rows_see_all=False)
+    blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size, b * h if batched else 1, device), empty_rows_see_all=False)
     if batched:
         for blk in blocks: block(slice(None), slice(None), *blk)
     else:

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import functorch_active, differentiable_backward, check_chunk_size, size_or_one, block_key_ranges
+from .mha import functorch_active, differentiable_backward, check_chunk_size, size_or_one, block_key_ranges, block_rows
 
 # %% ../nbs/03_shaw.ipynb #0cc63030
 def _check_length(x, name:str) -> int:
@@ -144,19 +144,19 @@ def _bucket_sums(x:torch.Tensor,           # `[b, h, c, w]` values per (query, k
     return out
 
 # %% ../nbs/03_shaw.ipynb #ffa1dd25
-def _chunk_rows(n_q:int, n_k:int, bh:int, chunk_size:Optional[int]) -> int:
-    "Query rows per chunk; automatic size: about 2**20 scores (4 MiB in float32) per chunk, at least 32 rows."
+def _chunk_rows(n_q:int, n_k:int, bh:int, chunk_size:Optional[int], device) -> int:
+    "Query rows per chunk; automatic size (`block_rows`): on CPU about 2**20 scores (4 MiB in float32) per chunk, at least 32 rows."
     # measured (CPU, batch 4, 8 heads, n = 1024): 2**22 scores per chunk peak at 2x the memory of 2**20, same time;
     # below 32 rows per-chunk overhead dominates (n = 2048: 16 rows cost 1.4x the time of 32)
     check_chunk_size(chunk_size)
-    return chunk_size or max(32, 2 ** 20 // max(1, bh * n_k))
+    return chunk_size or block_rows(n_k, bh, device, 2 ** 20, 32)
 
-def _key_ranges(keep, n_q:int, n_k:int, bh:int, chunk_size:Optional[int]):
+def _key_ranges(keep, n_q:int, n_k:int, bh:int, chunk_size:Optional[int], device):
     "Chunks of query rows `(i0, i1, k0, k1)`: keys outside `[k0, k1)` are masked in every row of the chunk (`block_key_ranges`)."
     # under torch.compile reading the mask's values would break the graph: compiled code visits every key (same numbers);
     # empty inputs have nothing to skip (and block_key_ranges needs a query and a key to read the mask)
     skip = keep is not None and n_q > 0 and n_k > 0 and not torch.compiler.is_compiling()
-    return block_key_ranges(keep if skip else None, n_q, n_k, _chunk_rows(n_q, n_k, bh, chunk_size))
+    return block_key_ranges(keep if skip else None, n_q, n_k, _chunk_rows(n_q, n_k, bh, chunk_size, device))
 
 def _chunk_plan(ranges, n_q:int, n_k:int, k:int, bh:int, device, dtype):
     """Each chunk of query rows `i0:i1` with its keys `[k0, k1)`, its strip `[lo, hi)` counted from `k0`, the strip's buckets
@@ -198,7 +198,7 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, w_k, w_v, keep, chunk_size):
         b, h, n_q, d = q.shape
         n_k, d_v, R = k.shape[2], v.shape[-1], w_k.shape[0]
-        ranges = _key_ranges(keep, n_q, n_k, b * h, chunk_size)   # computed once, reused by backward
+        ranges = _key_ranges(keep, n_q, n_k, b * h, chunk_size, q.device)   # computed once, reused by backward
         k_aug, v_aug = _with_tails(k), _with_tails(v)
         out = q.new_empty(b, h, n_q, d_v)
         pb = q.new_empty(b, h, n_q, R)                       # attention weights summed per bucket, for backward
@@ -268,7 +268,7 @@ def relation_aware_attention(q:torch.Tensor,    # `[batch, heads, seq_q, head_di
                              w_v:torch.Tensor,  # `[2k+1, head_dim_v]` value table $w^V$
                              scale:float,       # multiplies the scores, e.g. `1/sqrt(head_dim)`
                              keep:Optional[torch.Tensor]=None,  # bool `[batch|1, 1, seq_q|1, seq_k]`, False: score -1e9
-                             chunk_size:Optional[int]=None,     # query rows per chunk (None: about 2**20 scores)
+                             chunk_size:Optional[int]=None,     # query rows per chunk (None: `block_rows`, 2**20 scores on CPU)
                             ) -> torch.Tensor:  # `[batch, heads, seq_q, head_dim_v]`
     "Shaw et al.'s relation-aware attention without `[n, n, d]` tables: per-bucket products, query chunks, recomputation in backward."
     check_chunk_size(chunk_size)
