@@ -1,0 +1,99 @@
+"""The fast paths on a CUDA device: the same numbers as on CPU, and a number of kernels per call that does not grow with
+batch x heads (counted as dispatched ops). Skipped where torch sees no GPU (CI never has one); run them on a GPU machine with `pytest tests/test_cuda.py`."""
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from relpos.models import POSITION_BUILDERS, causal_mask
+from relpos.relative_mha import relative_attention
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+POSITIONS = [p for p in POSITION_BUILDERS if p != 'absolute']   # 'absolute' is 'none' at the layer
+
+
+def layer(position, d_model, heads, n, device, dtype):
+    torch.manual_seed(0)
+    attn = POSITION_BUILDERS[position](d_model, heads, 0.0, n, 0).to(device, dtype)
+    with torch.no_grad():   # position parameters away from their (often zero) initial values
+        for p in attn.parameters(): p.add_(0.1 * torch.randn_like(p))
+    return attn
+
+
+def step(attn, x, mask):
+    "Output and the gradients of inputs and parameters of `sum(out * w)`."
+    x = x.detach().requires_grad_()
+    attn.zero_grad()
+    out = attn(x, x, x, mask)
+    w = torch.linspace(-1, 1, out.numel(), device=out.device, dtype=out.dtype).view_as(out)
+    (out * w).sum().backward()
+    return [out.detach(), x.grad] + [p.grad for p in attn.parameters()]
+
+
+@pytest.mark.parametrize('causal', [True, False])
+@pytest.mark.parametrize('position', POSITIONS)
+def test_cuda_equals_cpu_float64(position, causal):
+    "Every layer on the GPU in float64 gives the CPU's outputs and gradients (the CPU paths are tested against the readable ones)."
+    n = 200
+    cpu = layer(position, 64, 4, n, 'cpu', torch.float64)
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(2, n, 64, dtype=torch.float64)
+    mask = causal_mask(n, n, 'cpu') if causal else None
+    want = step(cpu, x, mask)
+    got = step(gpu, x.cuda(), None if mask is None else mask.cuda())
+    for a, b in zip(got, want): torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize('position', POSITIONS)
+def test_cuda_float32_close_to_float64(position):
+    "float32 on the GPU (fused kernels, no TF32) stays within float32 error of the float64 result, causal mask, n = 1024."
+    n = 1024
+    ref = layer(position, 64, 4, n, 'cuda', torch.float64)
+    f32 = copy.deepcopy(ref).float()
+    x = torch.randn(2, n, 64, dtype=torch.float64, device='cuda')
+    mask = causal_mask(n, n, 'cuda')
+    want, got = step(ref, x, mask), step(f32, x.float(), mask)
+    for a, b in zip(got, want):   # (norms: the key bias's gradient is 0 up to rounding, as softmax ignores it)
+        assert (a.double() - b).norm() <= 1e-4 * b.norm() + 1e-4, (position, (a.double() - b).norm().item(), b.norm().item())
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched to the backend: each launches one or a few kernels. (Kernels themselves are no fit for
+    the count: cuBLAS picks split-K variants by shape, so plain SDPA launches more of them at batch 4 x 8 heads.)"""
+    def __init__(self): super().__init__(); self.n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_call(fn):
+    "The number of ops one call of `fn` (forward and backward) dispatches."
+    fn()   # lazy initialisation out of the count
+    with OpCounter() as count: fn()
+    return count.n
+
+
+@pytest.mark.parametrize('position', POSITIONS)
+def test_ops_per_call_do_not_grow_with_batch_and_heads(position):
+    "A layer's call dispatches as many ops for batch 4 x 8 heads as for batch 2 x 2 heads: no Python loop over them."
+    counts = []
+    for batch, heads in [(2, 2), (4, 8)]:
+        attn = layer(position, 16 * heads, heads, 128, 'cuda', torch.float32)
+        x = torch.randn(batch, 128, 16 * heads, device='cuda', requires_grad=True)
+        mask = causal_mask(128, 128, 'cuda')
+        counts.append(ops_per_call(lambda: attn(x, x, x, mask).sum().backward()))
+    assert counts[0] == counts[1], (position, counts)
+
+
+def test_xl_kernel_ops_do_not_grow_with_batch_and_heads():
+    "relpos.relative_attention (the XL kernel) on CUDA: as many ops for 2 x 2 as for 4 x 8 (blocks of 64 rows)."
+    counts = []
+    for b, h in [(2, 2), (4, 8)]:
+        g = torch.Generator(device='cuda').manual_seed(0)
+        qu, qp, k, v = (torch.randn(b, h, 256, 32, device='cuda', generator=g, requires_grad=True) for _ in range(4))
+        R = torch.randn(h, 512, 32, device='cuda', generator=g, requires_grad=True)
+        S = torch.randn(h, 512, device='cuda', generator=g, requires_grad=True)
+        mask = torch.ones(256, 256, dtype=torch.bool, device='cuda').tril()[None, None]
+        counts.append(ops_per_call(lambda: relative_attention(qu, qp, k, v, R, S, mask=mask, chunk_size=64).sum().backward()))
+    assert counts[0] == counts[1], counts
