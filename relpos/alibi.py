@@ -11,8 +11,7 @@ from typing import Optional, List
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention, functorch_active, guard_double_backward
-from .rotary import is_causal_mask
+from .mha import MultiHeadAttention, functorch_active, guard_double_backward, is_causal_mask
 
 # %% ../nbs/07_alibi.ipynb #743a8d1c
 def _check_heads(heads) -> int:
@@ -101,7 +100,7 @@ class ALiBiMultiHeadAttention(MultiHeadAttention):
         "SDPA with the bias as its float mask; causal self-attention on CPU: the flash kernel's causal mode plus the finite bias."
         sq, sk = query.shape[0], key.shape[0]
         if (self.bidirectional or _flash_cpu is None or query.device.type != 'cpu' or functorch_active()
-                or (self.training and self.dropout.p > 0) or not is_causal_mask(mask, sq, sk)):
+                or (self.training and self.dropout.p > 0) or sq != sk or not is_causal_mask(mask, sq, sk)):
             return super().attention_fast(query, key, value, mask)
         # `F.scaled_dot_product_attention` refuses `is_causal=True` together with an `attn_mask`; the CPU flash
         # kernel it dispatches to takes both, skips the blocks above the diagonal and needs no -inf copy of the bias.

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from .mha import (MultiHeadAttention, functorch_active, differentiable_backward, head_workers, run_head_groups,
-                        block_key_ranges)
+                        block_key_ranges, is_causal_mask)
 
 # %% ../nbs/04_fourier.ipynb #33934713
 def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
@@ -375,7 +375,7 @@ class FourierMultiHeadAttention(MultiHeadAttention):
     def attention_fast(self, query, key, value, mask):
         "No mask or the causal one: the distance table itself to `relpos.t5.toeplitz_attention` (no `[n, n]` bias is built); any other mask: `sdpa` below."
         nq, nk = query.shape[0], key.shape[0]
-        causal = mask is not None and not torch.compiler.is_compiling() and _t5._is_causal(mask, nq, nk)
+        causal = is_causal_mask(mask, nq, nk)
         if not (self.positions.fast and 0 < nq <= nk and (mask is None or causal)):
             return super().attention_fast(query, key, value, mask)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]

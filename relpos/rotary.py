@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['rotary_inv_freq', 'rotary_angles', 'rotary_cos_sin', 'rotate_half', 'rotate_every_two', 'apply_rotary',
-           'is_causal_mask', 'RotaryMultiHeadAttention']
+           'RotaryMultiHeadAttention']
 
 # %% ../nbs/06_rotary.ipynb #ff639bfe
 import math
@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention, guard_double_backward
+from .mha import MultiHeadAttention, is_causal_mask
 
 # %% ../nbs/06_rotary.ipynb #a48f633b
 def _check_rotary_dim(rotary_dim, d_k:Optional[int]=None) -> int:
@@ -89,15 +89,6 @@ def apply_rotary(x:torch.Tensor,    # `[..., d]`, e.g. queries or keys of one he
     return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
 
 # %% ../nbs/06_rotary.ipynb #12004e92
-def is_causal_mask(mask:Optional[torch.Tensor], seq_len_q:int, seq_len_k:int) -> bool:
-    "True when `mask` (`[seq_q, seq_k, batch or 1, 1]`, as `prepare_mask` returns it) is exactly causal and `seq_q == seq_k`."
-    # Empty sequences never take the causal route: the CPU flash kernel divides by the length (SIGFPE at 0).
-    if (mask is None or seq_len_q != seq_len_k or seq_len_q == 0 or mask.shape[0] != seq_len_q
-            or torch.compiler.is_compiling()):
-        return False
-    causal = torch.ones(seq_len_q, seq_len_k, dtype=torch.bool, device=mask.device).tril()
-    return bool(torch.equal(mask, causal[:, :, None, None].expand(mask.shape)))
-
 class RotaryMultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) whose queries and keys are rotated by their positions (RoPE)."
     def __init__(self,
@@ -134,13 +125,5 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
         return super().get_scores(*self.rotate(query, key))
 
     def attention_fast(self, query, key, value, mask):
-        "Fast path: rotate, then SDPA's fused kernel; an exactly causal mask (seq_q == seq_k) becomes `is_causal=True`."
-        query, key = self.rotate(query, key)
-        if not is_causal_mask(mask, query.shape[0], key.shape[0]):
-            return self.sdpa(query, key, value, mask)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [batch, heads, seq, d_k]
-        x = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                           dropout_p=self.dropout.p if self.training else 0.0)
-        guard_double_backward(x, q)   # fused kernel: create_graph=True stops with the way out (need_weights=True)
-        x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
-        return x.permute(2, 0, 1, 3)
+        "Fast path: rotate, then the base class's `sdpa` (SDPA's fused kernel; an exactly causal mask over seq_q == seq_k becomes `is_causal=True`)."
+        return self.sdpa(*self.rotate(query, key), value, mask)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention, functorch_active, differentiable_backward
+from .mha import MultiHeadAttention, functorch_active, differentiable_backward, is_causal_mask
 from .fourier import _as_int, _flash_cpu, sdpa_bias
 
 # %% ../nbs/08_t5.ipynb #t50006
@@ -268,13 +268,6 @@ def toeplitz_attention(q:torch.Tensor,             # `[batch, heads, seq_q, d_k]
     bias = toeplitz(distance_bias.to(q.dtype), nq, nk)[None]
     return sdpa_bias(q, k, v, bias, scale, dropout_p)
 
-# %% ../nbs/08_t5.ipynb #t50028
-def _is_causal(mask:torch.Tensor, seq_len_q:int, seq_len_k:int) -> bool:
-    "Whether a prepared mask `[seq_q or 1, seq_k, batch or 1, 1]` is exactly the causal one (query i sees keys j <= i + seq_k - seq_q)."
-    if mask.shape[0] != seq_len_q: return False
-    causal = torch.ones(seq_len_q, seq_len_k, dtype=torch.bool, device=mask.device).tril(seq_len_k - seq_len_q)
-    return bool((mask == causal[:, :, None, None]).all())
-
 # %% ../nbs/08_t5.ipynb #t50029
 class T5MultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) whose scaled scores get T5's learned bucket bias."
@@ -306,7 +299,7 @@ class T5MultiHeadAttention(MultiHeadAttention):
         distance_bias = self.positions.distance_bias(nq, nk)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
         dropout_p = self.dropout.p if self.training else 0.0
-        causal = mask is not None and not torch.compiler.is_compiling() and _is_causal(mask, nq, nk)
+        causal = is_causal_mask(mask, nq, nk)
         if mask is None or causal:
             x = toeplitz_attention(q, k, v, distance_bias.to(q.dtype), self.scale, causal, dropout_p)
         else:

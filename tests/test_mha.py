@@ -286,3 +286,27 @@ def test_dropout_active_in_training_only():
         assert not torch.allclose(a, b)
         m.eval()
         assert torch.equal(run(m, q, kv, mask, need_weights=need_weights), run(m, q, kv, mask, need_weights=need_weights))
+
+
+def test_exactly_causal_mask_reaches_sdpa_as_is_causal(monkeypatch):
+    "An exactly causal mask over seq_q == seq_k goes to SDPA as is_causal=True (its kernels skip the masked blocks), with the readable path's numbers; any other mask, or a bias, as a mask."
+    import torch.nn.functional as F
+    from relpos.mha import MultiHeadAttention
+    calls, real = [], F.scaled_dot_product_attention
+    def spy(*a, **kw):
+        calls.append((kw.get('is_causal', False), kw.get('attn_mask') is not None)); return real(*a, **kw)
+    monkeypatch.setattr(F, 'scaled_dot_product_attention', spy)
+    torch.manual_seed(0)
+    m = MultiHeadAttention(4, 32, dropout_prob=0.0)
+    x = torch.randn(7, 2, 32, dtype=torch.float64, requires_grad=True); m.double()
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()[..., None]
+    memory = torch.ones(5, 7, dtype=torch.bool).tril(2)[..., None]      # 5 queries after 2 keys: causal, but not square
+    padded = causal & torch.tensor([True] * 6 + [False])[None, :, None]
+    for q, mask in [(x, causal), (x, causal.expand(7, 7, 2)), (x[2:], memory), (x, padded)]:
+        fast = m(query=q, key=x, value=x, mask=mask)
+        ref = m(query=q, key=x, value=x, mask=mask, need_weights=True)
+        torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+        g_fast, = torch.autograd.grad(fast.square().sum(), x)
+        g_ref, = torch.autograd.grad(ref.square().sum(), x)
+        torch.testing.assert_close(g_fast, g_ref, rtol=1e-10, atol=1e-12)
+    assert calls == [(True, False), (True, False), (False, True), (False, True)], calls
