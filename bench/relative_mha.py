@@ -1,5 +1,6 @@
 """Benchmark of chapter 02 (Transformer-XL relative attention): forward+backward of one attention call,
 batch 4, 8 heads, d_model 512, against plain `scaled_dot_product_attention` with the same projections."""
+from functools import partial
 import torch
 from relpos.bench import bench_table
 from relpos.mha import MultiHeadAttention
@@ -63,24 +64,16 @@ def _self_attention(module, n, batch, d_model, device, **kw):
     return self_attention_case(module.train(), n, batch, d_model, device, **kw)
 
 
-def make_fast_causal(n, batch=4, heads=8, d_model=512, device='cpu'):
-    "RelativeMultiHeadAttention, fast path, causal mask (the blocks skip the keys it hides)."
-    return _self_attention(RelativeMultiHeadAttention(heads, d_model, 0.0, P=max(4096, n)), n, batch, d_model, device, causal=True)
+def _variant(build, n, batch=4, heads=8, d_model=512, device='cpu', **kw):
+    "Self-attention through the layer `build(heads, d_model, n)`; `causal=True`: the causal mask (the blocks skip the keys it hides); `inference=True`: forward only under `torch.inference_mode`."
+    return _self_attention(build(heads, d_model, n), n, batch, d_model, device, **kw)
 
-
-def make_xl_fast_causal(n, batch=4, heads=8, d_model=512, device='cpu'):
-    "XLRelativeMultiHeadAttention, fast path, causal mask."
-    return _self_attention(XLRelativeMultiHeadAttention(heads, d_model, 0.0), n, batch, d_model, device, causal=True)
-
-
-def make_fast_inference(n, batch=4, heads=8, d_model=512, device='cpu'):
-    "RelativeMultiHeadAttention, fast path, forward only under `torch.inference_mode`."
-    return _self_attention(RelativeMultiHeadAttention(heads, d_model, 0.0, P=max(4096, n)), n, batch, d_model, device, inference=True)
-
-
-def make_xl_fast_inference(n, batch=4, heads=8, d_model=512, device='cpu'):
-    "XLRelativeMultiHeadAttention, fast path, forward only under `torch.inference_mode`."
-    return _self_attention(XLRelativeMultiHeadAttention(heads, d_model, 0.0), n, batch, d_model, device, inference=True)
+_learned = lambda heads, d_model, n: RelativeMultiHeadAttention(heads, d_model, 0.0, P=max(4096, n))   # labml's learned tables
+_paper = lambda heads, d_model, n: XLRelativeMultiHeadAttention(heads, d_model, 0.0)                  # sinusoid R, W_kR, u, v
+make_fast_causal = partial(_variant, _learned, causal=True)
+make_xl_fast_causal = partial(_variant, _paper, causal=True)
+make_fast_inference = partial(_variant, _learned, inference=True)
+make_xl_fast_inference = partial(_variant, _paper, inference=True)
 
 
 CASES = {name: f'bench.relative_mha:make_{name}' for name in ['sdpa', 'fast', 'fast_recompute', 'xl_fast', 'readable', 'labml']}
