@@ -378,11 +378,8 @@ class FourierMultiHeadAttention(MultiHeadAttention):
         causal = is_causal_mask(mask, nq, nk)
         if not (self.positions.fast and 0 < nq <= nk and (mask is None or causal)):
             return super().attention_fast(query, key, value, mask)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
-        table = self.positions.distance_table(nq, nk, nk - nq).to(q.dtype)
-        x = _t5.toeplitz_attention(q, k, v, table, self.scale, causal, self.dropout.p if self.training else 0.0)
-        x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf query row stays NaN, as on the base class's path
-        return x.permute(2, 0, 1, 3)
+        return _t5._toeplitz_heads(query, key, value, self.positions.distance_table(nq, nk, nk - nq), self.scale, causal,
+                                   self.dropout.p if self.training else 0.0)
 
     def sdpa(self, query, key, value, mask, bias=None):
         "The base class's fast path, with the trainable bias kept on the fused CPU kernel and the keys a mask hides skipped (see `sdpa_bias`)."

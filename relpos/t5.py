@@ -268,6 +268,13 @@ def toeplitz_attention(q:torch.Tensor,             # `[batch, heads, seq_q, d_k]
     bias = toeplitz(distance_bias.to(q.dtype), nq, nk)[None]
     return sdpa_bias(q, k, v, bias, scale, dropout_p)
 
+def _toeplitz_heads(query, key, value, distance_bias, scale, causal=False, dropout_p=0.0):
+    "`toeplitz_attention` on a layer's heads in labml layout, `[seq, batch, heads, d_k]` in and out (the layers' Toeplitz path)."
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
+    x = toeplitz_attention(q, k, v, distance_bias.to(q.dtype), scale, causal, dropout_p)
+    # the fused CPU kernel can turn a NaN/Inf query row into 0; put the NaN back (as `MultiHeadAttention.sdpa` does)
+    return (x + q.sum(-1, keepdim=True) * 0).permute(2, 0, 1, 3)
+
 # %% ../nbs/08_t5.ipynb #t50029
 class T5MultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) whose scaled scores get T5's learned bucket bias."
@@ -297,16 +304,15 @@ class T5MultiHeadAttention(MultiHeadAttention):
         nq, nk = query.shape[0], key.shape[0]
         if nk < nq: self.position_bias(nq, nk)  # raises
         distance_bias = self.positions.distance_bias(nq, nk)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
         dropout_p = self.dropout.p if self.training else 0.0
         causal = is_causal_mask(mask, nq, nk)
         if mask is None or causal:
-            x = toeplitz_attention(q, k, v, distance_bias.to(q.dtype), self.scale, causal, dropout_p)
-        else:
-            m = mask[..., 0].permute(2, 0, 1).unsqueeze(1)   # [b|1, 1, sq|1, sk], True = may attend
-            row_ok = m.any(dim=-1, keepdim=True)             # fully masked rows: attend to all, zeroed below
-            bias = toeplitz(distance_bias.to(q.dtype), nq, nk)[None].masked_fill(~(m | ~row_ok), float('-inf'))
-            x = sdpa_bias(q, k, v, bias, self.scale, dropout_p) * row_ok
+            return _toeplitz_heads(query, key, value, distance_bias, self.scale, causal, dropout_p)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
+        m = mask[..., 0].permute(2, 0, 1).unsqueeze(1)   # [b|1, 1, sq|1, sk], True = may attend
+        row_ok = m.any(dim=-1, keepdim=True)             # fully masked rows: attend to all, zeroed below
+        bias = toeplitz(distance_bias.to(q.dtype), nq, nk)[None].masked_fill(~(m | ~row_ok), float('-inf'))
+        x = sdpa_bias(q, k, v, bias, self.scale, dropout_p) * row_ok
         # the fused CPU kernel can turn a NaN/Inf query row into 0; put the NaN back (as the base class does)
         x = x + q.sum(-1, keepdim=True) * 0
         return x.permute(2, 0, 1, 3)
