@@ -207,15 +207,20 @@ def _acc(dst, a, b, alpha=1.0):
     r = torch.matmul(a, b)
     dst.add_(r if r.dim() == dst.dim() else r.sum(0), alpha=alpha)
 
-def _softmax_(s):
-    "Softmax of the block's scores in place, and their log-sum-exp; a fully masked row gets weights 0 and lse +inf."
+def _softmax(s, out=None, masked:bool=False, want_lse:bool=False):
+    """Softmax of the block's scores over the last dim, written to `out` if given (contiguous), and their log-sum-exp if
+    `want_lse` (else None). A fully masked row (possible only if `masked`) gets weights 0 and lse +inf."""
+    # torch's fused softmax (three vectorised passes per row) is twice as fast as max, sub, exp, sum and scale as
+    # separate ops; its `out=` must be contiguous (aten 2.13 writes wrong numbers into a strided `out`)
+    p = torch.softmax(s, -1, out=out) if out is not None else torch.softmax(s, -1)
+    if not (masked or want_lse): return p, None
     mx = s.amax(-1, keepdim=True)
-    mx.masked_fill_(mx == float('-inf'), 0.)               # fully masked row: avoid -inf - -inf
-    p = s.sub_(mx).exp_()
-    l = p.sum(-1, keepdim=True)
-    p.mul_(torch.where(l > 0, l.reciprocal(), torch.zeros_like(l)))
-    lse = (mx + l.log())[..., 0]
-    return p, lse.masked_fill_(lse == float('-inf'), float('inf'))   # so that exp(s - lse) = 0 in backward
+    empty = mx == float('-inf')                            # a fully masked row: softmax gave NaN
+    if masked and (p.device.type != 'cpu' or bool(empty.any())): p.masked_fill_(empty, 0.)   # no host sync off CPU
+    if not want_lse: return p, None
+    # the row's largest weight is exp(0) / sum = 1 / sum: lse = max - log(largest weight), exact to the last bit of the log
+    lse = (mx - p.amax(-1, keepdim=True).log())[..., 0]
+    return p, lse.masked_fill_(empty[..., 0], float('inf'))   # so that exp(s - lse) = 0 in backward
 
 def _run_blocks(batched:bool, b:int, h:int, blocks, fn):
     "Call `fn(bb, hh, i0, i1, k0, k1)` for every block: per batch element and head on worker threads, or, `batched`, for all at once (`bb = hh = slice(None)`)."
@@ -236,14 +241,17 @@ class _RelativeAttentionFn(torch.autograd.Function):
         # keys the mask hides are skipped; a fully masked row has weights 0 whatever keys its block reads
         blocks = block_key_ranges(mask, n_q, n_k, _block_rows(n_k, chunk_size, b * h if batched else 1, qu.device), empty_rows_see_all=False)
         out = qu.new_empty(b, h, n_q, v.shape[-1])
-        lse = qu.new_empty(b, h, n_q)
         probs = None if recompute else qu.new_empty(b, h, n_q, n_k)  # the softmax, kept for backward
+        # the log-sum-exp serves only a backward pass that recomputes the softmax
+        lse = qu.new_empty(b, h, n_q) if recompute and any(ctx.needs_input_grad[:5]) else None
         kT, qpaT = k.transpose(-1, -2), qpa.transpose(0, 1)          # qpaT: [b, h, n_q, e] view of [h, b, n_q, e]
         def block(bb, hh, i0, i1, k0, k1):
             s = _block_scores(qu[bb, hh, i0:i1], kT[bb, hh, :, k0:k1], qpaT[bb, hh, i0:i1],
-                              Ra[hh, _window(n_q, i0, i1, k0, k1)], _mask_block(mask, bb, i0, i1, k0, k1),
-                              out=None if probs is None else probs[bb, hh, i0:i1, k0:k1])
-            p, lse[bb, hh, i0:i1] = _softmax_(s)
+                              Ra[hh, _window(n_q, i0, i1, k0, k1)], _mask_block(mask, bb, i0, i1, k0, k1))
+            kept = None if probs is None else probs[bb, hh, i0:i1, k0:k1]
+            p, l = _softmax(s, kept if kept is not None and kept.is_contiguous() else None, mask is not None, lse is not None)
+            if l is not None: lse[bb, hh, i0:i1] = l
+            if kept is not None and p.data_ptr() != kept.data_ptr(): kept.copy_(p)
             if dropout_p > 0:
                 p = p * _keep_mask(seed, _keep_key(bb, hh, b, n_q, i0), p.shape, dropout_p, p.device) / (1 - dropout_p)
             torch.matmul(p, v[bb, hh, k0:k1], out=out[bb, hh, i0:i1])
@@ -264,8 +272,9 @@ class _RelativeAttentionFn(torch.autograd.Function):
         delta = (dout * out).sum(-1, keepdim=True)          # Delta_i = dO_i . O_i = sum_j P_ij dP_ij
         # extra columns that fold two passes into the products: [Q, 1, -lse] . [R, S, 1] = Q R + S - lse,
         # so exp of the scores is P; [dO, -Delta] . [V, 1] = dP - Delta
-        qplT = torch.cat([qpa, -lse.transpose(0, 1)[..., None]], -1).transpose(0, 1)
-        Ral = torch.cat([Ra, Ra.new_ones(*Ra.shape[:-1], 1)], -1)
+        if probs is None:
+            qplT = torch.cat([qpa, -lse.transpose(0, 1)[..., None]], -1).transpose(0, 1)
+            Ral = torch.cat([Ra, Ra.new_ones(*Ra.shape[:-1], 1)], -1)
         ga, vaT = torch.cat([dout, -delta], -1), torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1).transpose(-1, -2)
         dqu, dqpa = torch.empty_like(qu), torch.empty_like(qpa)
         # dK, dV and dR accumulate over query blocks; kept transposed ([d, n_k]), the products that add to

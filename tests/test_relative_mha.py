@@ -378,3 +378,20 @@ def test_module_batched_path_equals_per_head(monkeypatch):
         out.square().sum().backward()
         results.append([out.detach(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
     for a, b in zip(*results): assert rel_err(a, b) <= 1e-5
+
+
+def test_block_softmax_and_logsumexp():
+    "The blocks' softmax (torch's fused kernel, lse from the largest weight) against softmax and logsumexp, with masked entries and rows."
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float64, 1e-14), (torch.float32, 2e-6)):
+        s = (torch.randn(2, 3, 7, 11, generator=g, dtype=dtype) * 20)
+        s[0, 1, 2, 3:] = float('-inf'); s[1, 2, 4] = float('-inf')          # a partly and a fully masked row
+        p, lse = rm._softmax(s.clone(), masked=True, want_lse=True)
+        ok = s.isfinite().any(-1)
+        torch.testing.assert_close(p[ok], s[ok].softmax(-1), rtol=0, atol=tol)
+        torch.testing.assert_close(lse[ok], s[ok].logsumexp(-1), rtol=tol, atol=0)
+        assert (p[~ok] == 0).all() and (lse[~ok] == float('inf')).all()
+        assert torch.exp(s - lse[..., None])[~ok].eq(0).all()               # what the recomputing backward relies on
+        out = torch.empty_like(s)
+        p2, none = rm._softmax(s, out=out, masked=True)
+        assert p2.data_ptr() == out.data_ptr() and none is None and torch.equal(p2, p)
