@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import functorch_active, differentiable_backward, check_chunk_size, size_or_one, block_key_ranges, block_rows
+from .mha import functorch_active, differentiable_backward, check_chunk_size, size_or_one, block_key_ranges, block_rows, head_workers, run_head_groups
 
 # %% ../nbs/03_shaw.ipynb #0cc63030
 def _check_length(x, name:str) -> int:
@@ -154,11 +154,13 @@ def _bucket_sums(x:torch.Tensor,           # `[b, h, c, w]` values per (query, k
 
 # %% ../nbs/03_shaw.ipynb #ffa1dd25
 def _chunk_rows(n_q:int, n_k:int, bh:int, chunk_size:Optional[int], device) -> int:
-    "Query rows per chunk; automatic size (`block_rows`): on CPU about 2**20 scores (4 MiB in float32) per chunk, at least 32 rows."
-    # measured (CPU, batch 4, 8 heads, n = 1024): 2**22 scores per chunk peak at 2x the memory of 2**20, same time;
-    # below 32 rows per-chunk overhead dominates (n = 2048: 16 rows cost 1.4x the time of 32)
+    """Query rows per chunk of `bh` batch elements x heads; automatic size (`block_rows`): on CPU about 2**18 scores (1 MiB in
+    float32) for one head, 2**20 for several, at least 32 rows."""
+    # measured (CPU, batch 4, 8 heads, n = 2048, forward): one head per chunk, 2**18 scores took 0.95x the time of 2**20
+    # and 0.75x that of 2**16 (32 rows: per-chunk overhead); several heads per chunk, 2**22 scores peaked at 2x the memory
+    # of 2**20 in the same time (n = 1024)
     check_chunk_size(chunk_size)
-    return chunk_size or block_rows(n_k, bh, device, 2 ** 20, 32)
+    return chunk_size or block_rows(n_k, bh, device, 2 ** 18 if bh == 1 else 2 ** 20, 32)
 
 def _key_ranges(keep, n_q:int, n_k:int, bh:int, chunk_size:Optional[int], device):
     "Chunks of query rows `(i0, i1, k0, k1)`: keys outside `[k0, k1)` are masked in every row of the chunk (`block_key_ranges`)."
@@ -202,27 +204,81 @@ def _with_tails(x):
     return torch.cat([x, x.new_zeros(b, h, n, 2)], -1)
 
 # %% ../nbs/03_shaw.ipynb #182df326
+def _forward_chunks(q, k, v, w_k, w_v, keep, plan, out, pb):
+    "The forward pass over the chunks of `plan` for the batch elements and heads of the views `q`, `k`, `v` (`[b', h', n, d]`), into `out` and `pb`."
+    b, h, _, d = q.shape
+    d_v, R = v.shape[-1], w_k.shape[0]
+    k_aug = _with_tails(k)
+    tails = _TailColumns(k_aug, d)
+    for i0, i1, k0, k1, lo, hi, idx, one_hot in plan:
+        ka = k_aug[:, :, k0:k1]                          # the keys these rows may see: the others have weight 0
+        tails.move(k0 + lo, k0 + hi)
+        p = torch.softmax(_chunk_scores(q, ka, w_k, _chunk_keep(keep, i0, i1, k0, k1), i0, i1, idx, lo, hi), -1)
+        o = torch.matmul(p, v[:, :, k0:k1])
+        pbc = _bucket_sums(p, one_hot, idx, R, lo, hi, _tail_sums(p, lo, hi))
+        pb[:, :, i0:i1] = pbc
+        out[:, :, i0:i1] = torch.baddbmm(o.view(-1, i1 - i0, d_v), pbc.view(-1, i1 - i0, R),
+                                         w_v.expand(b * h, R, d_v)).view(b, h, i1 - i0, d_v)
+
+def _tail_sums(x, lo:int, hi:int) -> torch.Tensor:
+    "`[..., 2]`: `x` summed over the keys left of the strip and over those from its end on."
+    # two row sums, not two extra columns of the product with V: [c, n] @ [n, d + 2] ran 1.4x slower than @ [n, d]
+    return torch.stack([x[..., :lo].sum(-1), x[..., hi:].sum(-1)], -1)
+
+def _backward_chunks(q, k, v, w_k, w_v, keep, plan, dout, dq, dk, dv) -> torch.Tensor:
+    "The backward pass over the chunks of `plan` for the views `q`, `k`, `v`, `dout`; writes `dq`, adds into `dk`, `dv`, returns their share of `dw_k`."
+    b, h, _, d = q.shape
+    n_k, d_v, R, bh = k.shape[2], v.shape[-1], w_k.shape[0], b * h
+    k_aug, v_aug = _with_tails(k), _with_tails(v)
+    tails = _TailColumns(k_aug, d), _TailColumns(v_aug, d_v)
+    dw_k = torch.zeros_like(w_k)
+    dk3, dv3 = dk.view(bh, n_k, d), dv.view(bh, n_k, d_v)
+    for i0, i1, k0, k1, lo, hi, idx, one_hot in plan:
+        c, w = i1 - i0, k1 - k0
+        ka, va = k_aug[:, :, k0:k1], v_aug[:, :, k0:k1]
+        for t in tails: t.move(k0 + lo, k0 + hi)
+        kc = _chunk_keep(keep, i0, i1, k0, k1)
+        qc, do = q[:, :, i0:i1], dout[:, :, i0:i1]
+        p = torch.softmax(_chunk_scores(q, ka, w_k, kc, i0, i1, idx, lo, hi), -1)  # recomputed, not stored
+        dv3[:, k0:k1].baddbmm_(p.reshape(bh, c, w).transpose(1, 2), do.reshape(bh, c, d_v))
+        tw = torch.matmul(do, w_v.T)                     # dO_i . w^V_r: the value term's share of dP
+        dp = torch.matmul(torch.cat([do, tw[..., :1], tw[..., -1:]], -1), va.transpose(-1, -2))
+        if hi > lo: dp[..., lo:hi] += tw.gather(-1, idx.expand(b, h, c, hi - lo))
+        ds = torch._softmax_backward_data(dp, p, -1, p.dtype)   # P * (dP - rowsum(P * dP))
+        del dp, p
+        if kc is not None: ds.masked_fill_(~kc, 0)       # a masked score is the constant -1e9: nothing flows back through it
+        dsb = _bucket_sums(ds, one_hot, idx, R, lo, hi, _tail_sums(ds, lo, hi))
+        dq[:, :, i0:i1] = torch.matmul(ds, k[:, :, k0:k1]).add_(torch.matmul(dsb, w_k))
+        dk3[:, k0:k1].baddbmm_(ds.reshape(bh, c, w).transpose(1, 2), qc.reshape(bh, c, d))
+        dw_k.addmm_(dsb.reshape(-1, R).T, qc.reshape(-1, d))
+    return dw_k
+
+def _each_head(batched:bool, b:int, h:int, work:int, fn) -> list:
+    """`fn(sel)` for `sel` = `(batch, heads)` slices of `[b, h]`: one call for all (`batched`: a fixed number of ops per chunk,
+    whatever b and h), or one per batch element and head on worker threads (`run_head_groups`: each chunk's scores stay in cache)."""
+    if batched: return [fn((slice(None), slice(None)))]
+    # the workers run without the caller's autocast (thread-local); `relation_aware_attention` hands them one dtype
+    def group(w, hs): return [fn((slice(bb, bb + 1), slice(hh, hh + 1))) for hh in hs for bb in range(b)]
+    return [r for rs in run_head_groups(head_workers(h, work), h, group) for r in rs]
+
+def _keep_of(keep, sel):
+    "The part of the mask `[b|1, 1, n_q|1, n_k]` that the `(batch, heads)` selection `sel` reads."
+    return keep if keep is None or keep.shape[0] == 1 else keep[sel[0]]
+
 class _RelationAwareAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, w_k, w_v, keep, chunk_size):
+    def forward(ctx, q, k, v, w_k, w_v, keep, chunk_size, batched):
         b, h, n_q, d = q.shape
         n_k, d_v, R = k.shape[2], v.shape[-1], w_k.shape[0]
-        ranges = _key_ranges(keep, n_q, n_k, b * h, chunk_size, q.device)   # computed once, reused by backward
-        k_aug, v_aug = _with_tails(k), _with_tails(v)
-        tails = _TailColumns(k_aug, d), _TailColumns(v_aug, d_v)
+        lanes = b * h if batched else 1                      # batch elements x heads a chunk holds
+        ranges = _key_ranges(keep, n_q, n_k, lanes, chunk_size, q.device)
+        plan = list(_chunk_plan(ranges, n_q, n_k, R // 2, lanes, q.device, q.dtype))   # computed once, reused by backward
         out = q.new_empty(b, h, n_q, d_v)
         pb = q.new_empty(b, h, n_q, R)                       # attention weights summed per bucket, for backward
-        for i0, i1, k0, k1, lo, hi, idx, one_hot in _chunk_plan(ranges, n_q, n_k, R // 2, b * h, q.device, q.dtype):
-            ka, va = k_aug[:, :, k0:k1], v_aug[:, :, k0:k1]  # the keys these rows may see: the others have weight 0
-            for t in tails: t.move(k0 + lo, k0 + hi)
-            p = torch.softmax(_chunk_scores(q, ka, w_k, _chunk_keep(keep, i0, i1, k0, k1), i0, i1, idx, lo, hi), -1)
-            o = torch.matmul(p, va)                          # [sum_j p v_j, weight of the left tail, of the right tail]
-            pbc = _bucket_sums(p, one_hot, idx, R, lo, hi, o[..., d_v:])
-            pb[:, :, i0:i1] = pbc
-            out[:, :, i0:i1] = torch.baddbmm(o[..., :d_v].reshape(-1, i1 - i0, d_v), pbc.reshape(-1, i1 - i0, R),
-                                             w_v.expand(b * h, R, d_v)).view(b, h, i1 - i0, d_v)
+        _each_head(batched, b, h, b * h * n_q * n_k, lambda sel: _forward_chunks(
+            q[sel], k[sel], v[sel], w_k, w_v, _keep_of(keep, sel), plan, out[sel], pb[sel]))
         ctx.save_for_backward(q, k, v, w_k, w_v, keep, pb)
-        ctx.chunk_size, ctx.ranges = chunk_size, ranges
+        ctx.chunk_size, ctx.batched, ctx.plan = chunk_size, batched, plan
         return out
 
     @staticmethod
@@ -230,35 +286,15 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
         q, k, v, w_k, w_v, keep, pb = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: gradients that can be differentiated again (see relpos.mha)
             return differentiable_backward(_relation_aware_reference, (q, k, v, w_k, w_v, keep, ctx.chunk_size), dout)
-        b, h, n_q, d = q.shape
-        n_k, d_v, R, bh = k.shape[2], v.shape[-1], w_k.shape[0], b * h
+        b, h, n_q, _ = q.shape
         dout = dout.contiguous()
-        k_aug, v_aug = _with_tails(k), _with_tails(v)
-        tails = _TailColumns(k_aug, d), _TailColumns(v_aug, d_v)
-        dq = torch.empty_like(q)
-        dk, dv, dw_k = torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(w_k)
-        dk3, dv3 = dk.view(bh, n_k, d), dv.view(bh, n_k, d_v)
-        for i0, i1, k0, k1, lo, hi, idx, one_hot in _chunk_plan(ctx.ranges, n_q, n_k, R // 2, bh, q.device, q.dtype):
-            c, w = i1 - i0, k1 - k0
-            ka, va = k_aug[:, :, k0:k1], v_aug[:, :, k0:k1]
-            for t in tails: t.move(k0 + lo, k0 + hi)
-            kc = _chunk_keep(keep, i0, i1, k0, k1)
-            qc, do = q[:, :, i0:i1], dout[:, :, i0:i1]
-            p = torch.softmax(_chunk_scores(q, ka, w_k, kc, i0, i1, idx, lo, hi), -1)  # recomputed, not stored
-            dv3[:, k0:k1].baddbmm_(p.reshape(bh, c, w).transpose(1, 2), do.reshape(bh, c, d_v))
-            tw = torch.matmul(do, w_v.T)                     # dO_i . w^V_r: the value term's share of dP
-            dp = torch.matmul(torch.cat([do, tw[..., :1], tw[..., -1:]], -1), va.transpose(-1, -2))
-            if hi > lo: dp[..., lo:hi] += tw.gather(-1, idx.expand(b, h, c, hi - lo))
-            ds = torch._softmax_backward_data(dp, p, -1, p.dtype)   # P * (dP - rowsum(P * dP))
-            del dp, p
-            if kc is not None: ds.masked_fill_(~kc, 0)       # a masked score is the constant -1e9: nothing flows back through it
-            dqa = torch.matmul(ds, ka)                       # [dS k, dS summed over the left tail, the right tail]
-            dsb = _bucket_sums(ds, one_hot, idx, R, lo, hi, dqa[..., d:])
-            dq[:, :, i0:i1] = dqa[..., :d] + torch.matmul(dsb, w_k)
-            dk3[:, k0:k1].baddbmm_(ds.reshape(bh, c, w).transpose(1, 2), qc.reshape(bh, c, d))
-            dw_k.addmm_(dsb.reshape(-1, R).T, qc.reshape(-1, d))
-        dw_v = pb.reshape(-1, R).T @ dout.reshape(-1, d_v)
-        return dq, dk, dv, dw_k, dw_v, None, None
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        parts = _each_head(ctx.batched, b, h, b * h * n_q * k.shape[2],
+                           lambda sel: _backward_chunks(q[sel], k[sel], v[sel], w_k, w_v, _keep_of(keep, sel), ctx.plan,
+                                                        dout[sel], dq[sel], dk[sel], dv[sel]))
+        dw_k = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)   # fixed order: deterministic
+        dw_v = pb.reshape(-1, pb.shape[-1]).T @ dout.reshape(-1, dout.shape[-1])
+        return dq, dk, dv, dw_k, dw_v, None, None, None
 
 # %% ../nbs/03_shaw.ipynb #9d0ed975
 def _relation_aware_reference(q, k, v, w_k, w_v, keep, chunk_size=None):
@@ -279,7 +315,8 @@ def relation_aware_attention(q:torch.Tensor,    # `[batch, heads, seq_q, head_di
                              w_v:torch.Tensor,  # `[2k+1, head_dim_v]` value table $w^V$
                              scale:float,       # multiplies the scores, e.g. `1/sqrt(head_dim)`
                              keep:Optional[torch.Tensor]=None,  # bool `[batch|1, 1, seq_q|1, seq_k]`, False: score -1e9
-                             chunk_size:Optional[int]=None,     # query rows per chunk (None: `block_rows`, 2**20 scores on CPU)
+                             chunk_size:Optional[int]=None,     # query rows per chunk (None: automatic, `_chunk_rows`)
+                             batched:Optional[bool]=None,       # chunks of all batch elements and heads at once (None: off CPU), else one batch element and head per chunk, on worker threads
                             ) -> torch.Tensor:  # `[batch, heads, seq_q, head_dim_v]`
     "Shaw et al.'s relation-aware attention without `[n, n, d]` tables: per-bucket products, query chunks, recomputation in backward."
     check_chunk_size(chunk_size)
@@ -290,7 +327,9 @@ def relation_aware_attention(q:torch.Tensor,    # `[batch, heads, seq_q, head_di
         # torch.func (grad, vmap, jacrev) cannot run an autograd.Function without setup_context: the same
         # numbers from ordinary ops, with [b, h, n_q, n_k] scores (the readable path's memory, not the chunks')
         return _relation_aware_reference(*args)
-    return _RelationAwareAttentionFn.apply(*args)
+    # torch.compile traces one graph: the batched layout (no worker threads)
+    batched = q.device.type != 'cpu' if batched is None else bool(batched)
+    return _RelationAwareAttentionFn.apply(*args, batched or torch.compiler.is_compiling())
 
 # %% ../nbs/03_shaw.ipynb #2b878c50
 def _fuse_linears(linears) -> nn.Linear:

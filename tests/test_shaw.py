@@ -299,10 +299,10 @@ def test_gradcheck_float64_under_causal_masks(n_q, mem, kk, chunk, kind):
 
 
 def score_widths(monkeypatch, fn):
-    "Run `fn()`; return the `(rows, keys)` of every chunk's scores that `_chunk_scores` computed (forward and backward)."
+    "Run `fn()`; return the `(rows, keys)` of every chunk's scores that `_chunk_scores` computed (forward and backward), once per batch element and head it holds."
     shapes, chunk_scores = [], shaw_module._chunk_scores
     def spy(*args):
-        s = chunk_scores(*args); shapes.append(tuple(s.shape[-2:])); return s
+        s = chunk_scores(*args); shapes.extend([tuple(s.shape[-2:])] * (s.shape[0] * s.shape[1])); return s
     monkeypatch.setattr(shaw_module, '_chunk_scores', spy)
     fn()
     monkeypatch.undo()
@@ -317,8 +317,8 @@ def test_causal_mask_computes_about_half_the_scores(monkeypatch):
     causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
     for keep, scores in [(None, n * n), (causal, n * n // 2 + n * c // 2)]:
         shapes = score_widths(monkeypatch, lambda: relation_aware_attention(q, k, v, w_k, w_v, 0.3, keep, c).sum().backward())
-        assert len(shapes) == 2 * n // c                              # one per chunk in forward, one in backward
-        assert sum(r * w for r, w in shapes) == 2 * scores, (keep is None, shapes)
+        assert len(shapes) == 2 * 2 * n // c                          # per head (2): one per chunk in forward, one in backward
+        assert sum(r * w for r, w in shapes) == 2 * 2 * scores, (keep is None, shapes)
     # a padded tail is skipped too, and a chunk holding a fully masked row visits every key (the seed's uniform row)
     pad = torch.ones(1, 1, 1, n, dtype=torch.bool); pad[..., 200:] = False
     shapes = score_widths(monkeypatch, lambda: relation_aware_attention(q, k, v, w_k, w_v, 0.3, pad, c))
@@ -350,7 +350,8 @@ def test_module_causal_skipping_same_numbers_as_visiting_every_key(monkeypatch):
     for autocast, tol in [(False, 1e-6), (True, 1e-2)]:   # bf16: a couple of ulps (2**-8) at most
         widths.clear()
         (out, grads), (out_all, grads_all) = run(True, autocast), run(False, autocast)
-        assert widths == [26, 42, 58, 74, 80] * 2 + [80] * 10, widths   # skipped (forward, backward), then every key
+        lanes = 2 * 4    # on CPU each batch element and head runs its own chunks
+        assert widths == [26, 42, 58, 74, 80] * 2 * lanes + [80] * 10 * lanes, widths   # skipped (forward, backward), then every key
         assert rel_err(out.float(), out_all.float()) <= tol, autocast
         for name in grads: assert rel_err(grads[name], grads_all[name]) <= tol, (autocast, name)
     out_readable, _ = run(True, autocast=True, need_weights=True)     # and the readable path, under autocast as before
@@ -374,3 +375,74 @@ def test_per_bucket_weights_stay_exact_under_skipping():
     ref = torch.zeros_like(pb).scatter_add(-1, idx.expand(2, 2, n_q, n_k), p.detach())
     torch.testing.assert_close(pb, ref, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(pb.sum(-1), torch.ones(2, 2, n_q, dtype=torch.float64), rtol=1e-13, atol=1e-13)
+
+
+# ---------------------------------------------------------------- the two layouts: per head on worker threads (CPU), batched (other devices)
+from torch.utils._python_dispatch import TorchDispatchMode
+from relpos.mha import head_workers
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 3), n_q=st.integers(1, 20), mem=st.integers(0, 8), kk=st.integers(0, 6),
+       chunk=st.sampled_from([None, 1, 3, 7]), kind=st.sampled_from([None, 'causal', 'padding', 'causal+padding', 'window']),
+       seed_=st.integers(0, 2**16))
+def test_per_head_and_batched_layouts_same_numbers(b, h, n_q, mem, kk, chunk, kind, seed_):
+    "Per batch element and head (the CPU default) or batched (the default elsewhere): the same values and gradients in float64, dW^K summed over heads included."
+    g = torch.Generator().manual_seed(seed_)
+    n_k = n_q + mem
+    q, k, v = (torch.randn(b, h, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (n_q, n_k, n_k))
+    w_k, w_v = (torch.randn(2 * kk + 1, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    keep = None if kind is None else structured_keep(kind, b, n_q, n_k, g)
+    dout = torch.randn(b, h, n_q, 4, generator=g, dtype=torch.float64)
+    results = []
+    for batched in (False, True):
+        out = relation_aware_attention(q, k, v, w_k, w_v, 0.4, keep, chunk, batched=batched)
+        results.append((out, *torch.autograd.grad(out, (q, k, v, w_k, w_v), dout)))
+    for a, c in zip(*results): torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(results[0][0], reference(q, k, v, w_k, w_v, 0.4, keep), rtol=1e-10, atol=1e-12)
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self): super().__init__(); self.n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('batched', [True, False])
+def test_ops_per_call_do_not_grow_with_batch_and_heads(batched):
+    "The batched layout (the default off CPU) dispatches as many ops for batch 3 x 5 heads as for 2 x 2; the per-head one loops."
+    counts = []
+    for b, h in [(2, 2), (3, 5)]:
+        q, k, v = (torch.randn(b, h, 24, 4, requires_grad=True) for _ in range(3))
+        w_k, w_v = (torch.randn(2 * 3 + 1, 4, requires_grad=True) for _ in range(2))
+        keep = torch.ones(24, 24, dtype=torch.bool).tril()[None, None]
+        with OpCounter() as fwd: out = relation_aware_attention(q, k, v, w_k, w_v, 0.5, keep, 8, batched=batched)
+        with OpCounter() as bwd: out.sum().backward()
+        counts.append((fwd.n, bwd.n))
+    if batched: assert counts[0] == counts[1], counts
+    else: assert counts[1][0] > 3 * counts[0][0], counts     # a loop over batch x heads
+
+
+def test_per_head_workers_under_autocast(monkeypatch):
+    "Under bf16 autocast the worker threads (which do not inherit autocast) get the inputs in the batched layout's dtype: the results agree to bf16 rounding."
+    torch.manual_seed(0)
+    m = RelationAwareMultiHeadAttention(64, 4, 3)
+    x = torch.randn(2, 1024, 64)                 # 2 x 4 x 1024^2 scores: above head_workers' 2**22, so two workers run
+    dtypes, bucket_sums = [], shaw_module._bucket_sums
+    monkeypatch.setattr(shaw_module, '_bucket_sums', lambda x, *a: dtypes.append(x.dtype) or bucket_sums(x, *a))
+    workers = []
+    monkeypatch.setattr(shaw_module, 'head_workers', lambda *a: workers.append(head_workers(*a)) or workers[-1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = []
+        for batched in (False, True):
+            fast = lambda q, k, v, keep, batched=batched: relation_aware_attention(
+                q, k, v, m.relative_position_k.position_embeddings, m.relative_position_v.position_embeddings, m.scale, keep, 256, batched)
+            monkeypatch.setattr(m, 'attention_fast', fast)
+            with torch.autocast('cpu', dtype=torch.bfloat16): outs.append(m(x, x, x))
+    finally: torch.set_num_threads(threads)
+    assert workers == [2] and set(dtypes) == {torch.bfloat16}, (workers, set(dtypes))   # the per-head forward ran on two workers
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    assert rel_err(outs[0].float(), outs[1].float()) <= 1e-2
