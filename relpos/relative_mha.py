@@ -218,7 +218,7 @@ def _softmax(s, out=None, masked:bool=False, want_lse:bool=False):
     empty = mx == float('-inf')                            # a fully masked row: softmax gave NaN
     if masked and (p.device.type != 'cpu' or bool(empty.any())): p.masked_fill_(empty, 0.)   # no host sync off CPU
     if not want_lse: return p, None
-    # the row's largest weight is exp(0) / sum = 1 / sum: lse = max - log(largest weight), exact to the last bit of the log
+    # the row's largest weight is exp(0) / sum = 1 / sum: lse = max - log(largest weight), to the rounding of a division and a log
     lse = (mx - p.amax(-1, keepdim=True).log())[..., 0]
     return p, lse.masked_fill_(empty[..., 0], float('inf'))   # so that exp(s - lse) = 0 in backward
 

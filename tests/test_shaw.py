@@ -325,7 +325,7 @@ def test_causal_mask_computes_about_half_the_scores(monkeypatch):
     assert {w for _, w in shapes} == {200}
     empty = causal.clone(); empty[..., 40, :] = False                 # query 40 (chunk 1) sees nothing
     shapes = score_widths(monkeypatch, lambda: relation_aware_attention(q, k, v, w_k, w_v, 0.3, empty, c))
-    assert [w for _, w in shapes[:3]] == [32, n, 96]
+    assert list(dict.fromkeys(w for _, w in shapes))[:3] == [32, n, 96]   # chunks 0, 1, 2 (either layout)
 
 
 def test_module_causal_skipping_same_numbers_as_visiting_every_key(monkeypatch):
@@ -340,7 +340,8 @@ def test_module_causal_skipping_same_numbers_as_visiting_every_key(monkeypatch):
         monkeypatch.setattr(shaw_module, '_chunk_rows', lambda *args: 16)   # several chunks at this small size
         if not skip: monkeypatch.setattr(shaw_module, 'block_key_ranges', no_skip)
         chunk_scores = shaw_module._chunk_scores
-        monkeypatch.setattr(shaw_module, '_chunk_scores', lambda *a: widths.append(a[1].shape[2]) or chunk_scores(*a))
+        monkeypatch.setattr(shaw_module, '_chunk_scores', lambda *a: widths.extend([a[1].shape[2]] * (a[1].shape[0] * a[1].shape[1]))
+                            or chunk_scores(*a))   # once per batch element and head, in either layout
         m.zero_grad()
         with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
             out = m(x[:, mem:], x, x, mask=causal, need_weights=need_weights)
@@ -350,8 +351,8 @@ def test_module_causal_skipping_same_numbers_as_visiting_every_key(monkeypatch):
     for autocast, tol in [(False, 1e-6), (True, 1e-2)]:   # bf16: a couple of ulps (2**-8) at most
         widths.clear()
         (out, grads), (out_all, grads_all) = run(True, autocast), run(False, autocast)
-        lanes = 2 * 4    # on CPU each batch element and head runs its own chunks
-        assert widths == [26, 42, 58, 74, 80] * 2 * lanes + [80] * 10 * lanes, widths   # skipped (forward, backward), then every key
+        lanes = 2 * 4    # batch x heads
+        assert sorted(widths) == sorted([26, 42, 58, 74, 80] * 2 * lanes + [80] * 10 * lanes), widths   # skipped (forward, backward), then every key
         assert rel_err(out.float(), out_all.float()) <= tol, autocast
         for name in grads: assert rel_err(grads[name], grads_all[name]) <= tol, (autocast, name)
     out_readable, _ = run(True, autocast=True, need_weights=True)     # and the readable path, under autocast as before
