@@ -107,6 +107,30 @@ def make_alloc_case(mib:int=64, device:str='cpu'):
 # %% ../nbs/90_bench.ipynb #38fbd5bc
 def _fmt_config(c:dict) -> str: return ' '.join(f"{k}={v}" for k, v in c.items())
 
+def _error(e:Exception) -> str: return f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+
+def _time_interleaved(cases:dict, config:dict, backward:bool, reps:int, warmup:int=2) -> dict:
+    """Median seconds of one step of every case at `config`, timed round by round (each round runs every case once), so
+    that a slow drift of a shared machine moves all cases alike instead of the ratios; an error message for a case that fails."""
+    built, out = {}, {}
+    for name, spec in cases.items():
+        try:
+            built[name] = load_case(spec)(**config)
+            for _ in range(warmup): _step(*built[name], backward)
+        except Exception as e:  # a case that cannot run at this size says so in its row
+            built.pop(name, None); out[name] = _error(e)
+    times = {name: [] for name in built}
+    for _ in range(reps):
+        for name, (fn, inputs) in list(built.items()):
+            device = _device_of(inputs)
+            try:
+                _sync(device); t0 = time.perf_counter()
+                _step(fn, inputs, backward)
+                _sync(device); times[name].append(time.perf_counter() - t0)
+            except Exception as e:
+                del built[name]; out[name] = _error(e)
+    return {name: out[name] if name in out else statistics.median(times[name]) for name in cases}
+
 def bench_table(cases:dict,         # name -> 'module:factory'
                 configs:list,       # list of keyword dicts passed to every factory
                 baseline:str,       # name of the case the ratios are taken against
@@ -124,16 +148,12 @@ def bench_table(cases:dict,         # name -> 'module:factory'
         configs = [{**c, 'device': device} for c in configs]
     rows = []
     for config in configs:
+        times = _time_interleaved(cases, config, backward, reps)
         res = {}
         for name, spec in cases.items():
-            try:
-                fn, inputs = load_case(spec)(**config)
-                t = time_fwd_bwd(fn, *inputs, backward=backward, reps=reps)
-                del fn, inputs
-                m = peak_memory(spec, backward=backward, **config) if memory else None
-                res[name] = (t, m)
-            except Exception as e:  # a case that cannot run at this size says so in its row
-                res[name] = (f"{type(e).__name__}: {str(e).splitlines()[0][:60]}", None)
+            t = times[name]
+            try: res[name] = (t, peak_memory(spec, backward=backward, **config) if memory and isinstance(t, float) else None)
+            except Exception as e: res[name] = (_error(e), None)
         bt, bm = res[baseline]
         for name, (t, m) in res.items():
             if isinstance(t, str): rows.append([_fmt_config(config), name, t, '', '', '']); continue
@@ -144,7 +164,7 @@ def bench_table(cases:dict,         # name -> 'module:factory'
     head = ['config', 'case', 'time (ms)', f'time / {baseline}', 'peak (MiB)', f'peak / {baseline}']
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows]
     dev = 'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
-    note = f"torch {torch.__version__}, {dev}; {'forward+backward' if backward else 'forward'}, median of {reps} runs"
+    note = f"torch {torch.__version__}, {dev}; {'forward+backward' if backward else 'forward'}, median of {reps} rounds, cases interleaved"
     return '\n'.join(([f"**{title}**", ''] if title else []) + lines + ['', note])
 
 # %% ../nbs/90_bench.ipynb #5f170e76
