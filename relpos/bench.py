@@ -110,8 +110,9 @@ def _fmt_config(c:dict) -> str: return ' '.join(f"{k}={v}" for k, v in c.items()
 def _error(e:Exception) -> str: return f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
 
 def _time_interleaved(cases:dict, config:dict, backward:bool, reps:int, warmup:int=2) -> dict:
-    """Median seconds of one step of every case at `config`, timed round by round (each round runs every case once), so
-    that a slow drift of a shared machine moves all cases alike instead of the ratios; an error message for a case that fails."""
+    """Seconds of one step of every case at `config`: the fastest of `reps` rounds, each round running every case once, so
+    that a shared machine's slow minutes fall on all cases alike (and noise, which only ever adds time, drops out of the
+    minimum); an error message for a case that fails."""
     built, out = {}, {}
     for name, spec in cases.items():
         try:
@@ -129,7 +130,7 @@ def _time_interleaved(cases:dict, config:dict, backward:bool, reps:int, warmup:i
                 _sync(device); times[name].append(time.perf_counter() - t0)
             except Exception as e:
                 del built[name]; out[name] = _error(e)
-    return {name: out[name] if name in out else statistics.median(times[name]) for name in cases}
+    return {name: out[name] if name in out else min(times[name]) for name in cases}
 
 def bench_table(cases:dict,         # name -> 'module:factory'
                 configs:list,       # list of keyword dicts passed to every factory
@@ -164,7 +165,7 @@ def bench_table(cases:dict,         # name -> 'module:factory'
     head = ['config', 'case', 'time (ms)', f'time / {baseline}', 'peak (MiB)', f'peak / {baseline}']
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows]
     dev = 'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
-    note = f"torch {torch.__version__}, {dev}; {'forward+backward' if backward else 'forward'}, median of {reps} rounds, cases interleaved"
+    note = f"torch {torch.__version__}, {dev}; {'forward+backward' if backward else 'forward'}, fastest of {reps} rounds, cases interleaved"
     return '\n'.join(([f"**{title}**", ''] if title else []) + lines + ['', note])
 
 # %% ../nbs/90_bench.ipynb #5f170e76
