@@ -1,6 +1,7 @@
 "Checks every labml-layout attention module of relpos must pass (dtypes, modes, state, dropout): one copy, used by the test files of the modules."
 import copy, io, pickle
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from relpos.mha import MultiHeadAttention
 
 
@@ -70,3 +71,19 @@ def check_dropout_training_path_runs(m):
     x = torch.randn(6, 2, 32)
     run(m.train(), x, x).sum().backward()
     assert all(p.grad is not None for p in m.parameters())
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched to the backend: each launches one or a few kernels. (Kernels themselves are no fit for
+    the count: cuBLAS picks split-K variants by shape, so plain SDPA launches more of them at batch 4 x 8 heads.)"""
+    def __init__(self): super().__init__(); self.n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_forward_backward(call) -> tuple:
+    "The ops dispatched by `out = call()` and by `out.sum().backward()`."
+    with OpCounter() as fwd: out = call()
+    with OpCounter() as bwd: out.sum().backward()
+    return fwd.n, bwd.n

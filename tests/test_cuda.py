@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from mha_module_checks import OpCounter
 
 from relpos.models import POSITION_BUILDERS, causal_mask
 from relpos.relative_mha import relative_attention
@@ -56,15 +56,6 @@ def test_cuda_float32_close_to_float64(position):
     want, got = step(ref, x, mask), step(f32, x.float(), mask)
     for a, b in zip(got, want):   # (norms: the key bias's gradient is 0 up to rounding, as softmax ignores it)
         assert (a.double() - b).norm() <= 1e-4 * b.norm() + 1e-4, (position, (a.double() - b).norm().item(), b.norm().item())
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ops dispatched to the backend: each launches one or a few kernels. (Kernels themselves are no fit for
-    the count: cuBLAS picks split-K variants by shape, so plain SDPA launches more of them at batch 4 x 8 heads.)"""
-    def __init__(self): super().__init__(); self.n = 0
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def ops_per_call(fn):

@@ -269,7 +269,7 @@ def test_recompute_none_decides_by_size(monkeypatch):
 # ---- blocks that skip masked keys, and the batched (device-generic) path
 
 from hypothesis import given, settings, strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
+from mha_module_checks import ops_forward_backward
 import relpos.relative_mha as rm
 
 
@@ -329,23 +329,13 @@ def test_causal_blocks_visit_about_half_the_scores(monkeypatch):
     assert sum(seen) == 2 * n * n                                # no mask: every key
 
 
-class OpCounter(TorchDispatchMode):
-    def __init__(self): super().__init__(); self.n = 0
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize('batched', [True, False])
 def test_ops_per_call_do_not_grow_with_batch_and_heads(batched):
     "The batched path (the default off CPU) dispatches as many ops for batch 3 x 5 heads as for 2 x 2; the per-head path does not."
-    counts = []
-    for b, h in [(2, 2), (3, 5)]:
-        args = kernel_args(b, h, 24, 24, 4, dtype=torch.float32)
-        mask = make_mask('causal', b, 24, 24)
-        with OpCounter() as fwd: out = relative_attention(*args, mask=mask, chunk_size=8, batched=batched, recompute=True)
-        with OpCounter() as bwd: out.sum().backward()
-        counts.append((fwd.n, bwd.n))
+    counts = [ops_forward_backward(lambda: relative_attention(*kernel_args(b, h, 24, 24, 4, dtype=torch.float32),
+                                                             mask=make_mask('causal', b, 24, 24), chunk_size=8,
+                                                             batched=batched, recompute=True))
+              for b, h in [(2, 2), (3, 5)]]
     if batched: assert counts[0] == counts[1], counts
     else: assert counts[1][0] > 3 * counts[0][0], counts     # a loop over batch x heads
 

@@ -379,8 +379,8 @@ def test_per_bucket_weights_stay_exact_under_skipping():
 
 
 # ---------------------------------------------------------------- the two layouts: per head on worker threads (CPU), batched (other devices)
-from torch.utils._python_dispatch import TorchDispatchMode
 from relpos.mha import head_workers
+from mha_module_checks import ops_forward_backward
 
 
 @settings(max_examples=30, deadline=None)
@@ -403,24 +403,15 @@ def test_per_head_and_batched_layouts_same_numbers(b, h, n_q, mem, kk, chunk, ki
     torch.testing.assert_close(results[0][0], reference(q, k, v, w_k, w_v, 0.4, keep), rtol=1e-10, atol=1e-12)
 
 
-class OpCounter(TorchDispatchMode):
-    def __init__(self): super().__init__(); self.n = 0
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize('batched', [True, False])
 def test_ops_per_call_do_not_grow_with_batch_and_heads(batched):
     "The batched layout (the default off CPU) dispatches as many ops for batch 3 x 5 heads as for 2 x 2; the per-head one loops."
-    counts = []
-    for b, h in [(2, 2), (3, 5)]:
+    keep = torch.ones(24, 24, dtype=torch.bool).tril()[None, None]
+    def call(b, h):
         q, k, v = (torch.randn(b, h, 24, 4, requires_grad=True) for _ in range(3))
         w_k, w_v = (torch.randn(2 * 3 + 1, 4, requires_grad=True) for _ in range(2))
-        keep = torch.ones(24, 24, dtype=torch.bool).tril()[None, None]
-        with OpCounter() as fwd: out = relation_aware_attention(q, k, v, w_k, w_v, 0.5, keep, 8, batched=batched)
-        with OpCounter() as bwd: out.sum().backward()
-        counts.append((fwd.n, bwd.n))
+        return relation_aware_attention(q, k, v, w_k, w_v, 0.5, keep, 8, batched=batched)
+    counts = [ops_forward_backward(lambda: call(b, h)) for b, h in [(2, 2), (3, 5)]]
     if batched: assert counts[0] == counts[1], counts
     else: assert counts[1][0] > 3 * counts[0][0], counts     # a loop over batch x heads
 
