@@ -26,6 +26,13 @@ def _step(fn, inputs, backward: bool):
     if backward: out.float().sum().backward()
     return out
 
+def _timed_step(fn, inputs, backward: bool) -> float:
+    "Seconds of one `_step`, the device synchronised before and after (CUDA runs asynchronously)."
+    device = _device_of(inputs)
+    _sync(device); t0 = time.perf_counter()
+    _step(fn, inputs, backward)
+    _sync(device); return time.perf_counter() - t0
+
 # %% ../nbs/90_bench.ipynb #897a21df
 def time_fwd_bwd(fn,              # callable returning a tensor, e.g. an attention module call
                  *inputs,         # tensors passed to `fn`
@@ -34,14 +41,8 @@ def time_fwd_bwd(fn,              # callable returning a tensor, e.g. an attenti
                  backward:bool=True, # also run `.float().sum().backward()` on the output
                 ) -> float:       # median seconds of one step
     "Median wall time of `fn(*inputs)` (and its backward) over `reps` runs after `warmup` runs."
-    device = _device_of(inputs)
     for _ in range(warmup): _step(fn, inputs, backward)
-    times = []
-    for _ in range(reps):
-        _sync(device); t0 = time.perf_counter()
-        _step(fn, inputs, backward)
-        _sync(device); times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_timed_step(fn, inputs, backward) for _ in range(reps))
 
 # %% ../nbs/90_bench.ipynb #4e441308
 def repo_root() -> Path:
@@ -123,11 +124,7 @@ def _time_interleaved(cases:dict, config:dict, backward:bool, reps:int, warmup:i
     times = {name: [] for name in built}
     for _ in range(reps):
         for name, (fn, inputs) in list(built.items()):
-            device = _device_of(inputs)
-            try:
-                _sync(device); t0 = time.perf_counter()
-                _step(fn, inputs, backward)
-                _sync(device); times[name].append(time.perf_counter() - t0)
+            try: times[name].append(_timed_step(fn, inputs, backward))
             except Exception as e:
                 del built[name]; out[name] = _error(e)
     return {name: out[name] if name in out else min(times[name]) for name in cases}
