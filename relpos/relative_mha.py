@@ -249,9 +249,10 @@ class _RelativeAttentionFn(torch.autograd.Function):
             s = _block_scores(qu[bb, hh, i0:i1], kT[bb, hh, :, k0:k1], qpaT[bb, hh, i0:i1],
                               Ra[hh, _window(n_q, i0, i1, k0, k1)], _mask_block(mask, bb, i0, i1, k0, k1))
             kept = None if probs is None else probs[bb, hh, i0:i1, k0:k1]
-            p, l = _softmax(s, kept if kept is not None and kept.is_contiguous() else None, mask is not None, lse is not None)
+            direct = kept is not None and kept.is_contiguous()     # softmax written straight into the kept tensor
+            p, l = _softmax(s, kept if direct else None, mask is not None, lse is not None)
             if l is not None: lse[bb, hh, i0:i1] = l
-            if kept is not None and p.data_ptr() != kept.data_ptr(): kept.copy_(p)
+            if kept is not None and not direct: kept.copy_(p)
             if dropout_p > 0:
                 p = p * _keep_mask(seed, _keep_key(bb, hh, b, n_q, i0), p.shape, dropout_p, p.device) / (1 - dropout_p)
             torch.matmul(p, v[bb, hh, k0:k1], out=out[bb, hh, i0:i1])

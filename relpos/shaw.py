@@ -268,7 +268,7 @@ def _keep_of(keep, sel):
 class _RelationAwareAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, w_k, w_v, keep, chunk_size, batched):
-        b, h, n_q, d = q.shape
+        b, h, n_q, _ = q.shape
         n_k, d_v, R = k.shape[2], v.shape[-1], w_k.shape[0]
         lanes = b * h if batched else 1                      # batch elements x heads a chunk holds
         ranges = _key_ranges(keep, n_q, n_k, lanes, chunk_size, q.device)
@@ -292,7 +292,7 @@ class _RelationAwareAttentionFn(torch.autograd.Function):
         parts = _each_head(ctx.batched, b, h, b * h * n_q * k.shape[2],
                            lambda sel: _backward_chunks(q[sel], k[sel], v[sel], w_k, w_v, _keep_of(keep, sel), ctx.plan,
                                                         dout[sel], dq[sel], dk[sel], dv[sel]))
-        dw_k = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)   # fixed order: deterministic
+        dw_k = torch.stack(parts).sum(0)     # the heads' shares in a fixed order: deterministic
         dw_v = pb.reshape(-1, pb.shape[-1]).T @ dout.reshape(-1, dout.shape[-1])
         return dq, dk, dv, dw_k, dw_v, None, None, None
 
