@@ -379,7 +379,7 @@ def test_per_bucket_weights_stay_exact_under_skipping():
 
 
 # ---------------------------------------------------------------- the two layouts: per head on worker threads (CPU), batched (other devices)
-from relpos.mha import head_workers
+from relpos.mha import head_workers, available_cpus
 from mha_module_checks import ops_forward_backward
 
 
@@ -388,7 +388,7 @@ from mha_module_checks import ops_forward_backward
        chunk=st.sampled_from([None, 1, 3, 7]), kind=st.sampled_from([None, 'causal', 'padding', 'causal+padding', 'window']),
        seed_=st.integers(0, 2**16))
 def test_per_head_and_batched_layouts_same_numbers(b, h, n_q, mem, kk, chunk, kind, seed_):
-    "Per batch element and head (the CPU default) or batched (the default elsewhere): the same values and gradients in float64, dW^K summed over heads included."
+    "Per batch element and head (the CPU default from PER_HEAD_MIN_KEYS keys) or batched (the default elsewhere): the same values and gradients in float64, dW^K summed over heads included."
     g = torch.Generator().manual_seed(seed_)
     n_k = n_q + mem
     q, k, v = (torch.randn(b, h, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (n_q, n_k, n_k))
@@ -435,6 +435,6 @@ def test_per_head_workers_under_autocast(monkeypatch):
             monkeypatch.setattr(m, 'attention_fast', fast)
             with torch.autocast('cpu', dtype=torch.bfloat16): outs.append(m(x, x, x))
     finally: torch.set_num_threads(threads)
-    assert workers == [2] and set(dtypes) == {torch.bfloat16}, (workers, set(dtypes))   # the per-head forward ran on two workers
+    assert workers == [min(2, available_cpus())] and set(dtypes) == {torch.bfloat16}, (workers, set(dtypes))   # per head, on two workers where two CPUs are
     assert outs[0].dtype == outs[1].dtype == torch.bfloat16
     assert rel_err(outs[0].float(), outs[1].float()) <= 1e-2
