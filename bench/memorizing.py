@@ -72,7 +72,7 @@ TRAIN_CONFIGS = (dict(capacity=65536, batch=1, n=512, d_model=256, heads=4, laye
 # Memory of 64x the segment (the issue's cost target: <= 2x the step without memory with faiss, <= 3x exact): the
 # defaults' sizes on a 512-token segment, and the sizes of the long-document study (bench/memorizing_study.py)
 TRAIN_CONFIGS_64X = (dict(capacity=64 * 512, batch=1, n=512, d_model=256, heads=4, layers=4),
-                     dict(capacity=64 * 128, batch=8, n=128, d_model=128, heads=4, layers=4))
+                     dict(capacity=64 * 128, batch=8, n=128, d_model=96, heads=4, layers=4))
 
 def train_step_table(reps=5, configs=TRAIN_CONFIGS):
     "Markdown table (bench_table's columns): median time of a training step with and without one kNN layer, repeats interleaved."
