@@ -21,6 +21,59 @@ def _lm(position='xl_paper', seed=0, **kw):
     return lm
 
 
+@pytest.mark.parametrize('position', [p for p in POSITIONS if p != 'absolute'])
+@pytest.mark.parametrize('knn', [False, True])
+def test_doc_start_drops_the_xl_memory_of_that_row_only(position, knn):
+    "A row flagged in doc_start gives the logits of a fresh call (no memory); the other rows are unchanged."
+    if knn and position == 'shaw': pytest.skip('shaw cannot be a kNN layer')
+    lm = _lm(position, **(dict(memorizing_layers=(1,), knn_capacity=32, top_k=4) if knn else {}))
+    g = torch.Generator().manual_seed(2)
+    first, x = torch.randint(0, V, (3, 8), generator=g), torch.randint(0, V, (3, 8), generator=g)
+    flags = torch.tensor([False, True, False])
+    with torch.no_grad():
+        _, memory = lm(first, doc_start=torch.ones(3, dtype=torch.bool))
+        kept, fresh = copy.deepcopy(lm), copy.deepcopy(lm)
+        got, new_memory = lm(x, memory, doc_start=flags)
+        want_kept, _ = kept(x, memory)                                    # nothing starts: memory attended
+        if knn: fresh.release_knn_memory()
+        want_new, want_mem = fresh(x[1:2], doc_start=torch.tensor([True]))  # a fresh call, row 1 alone
+    torch.testing.assert_close(got[[0, 2]], want_kept[[0, 2]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1:2], want_new, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[1], want_kept[1], atol=1e-3)            # the memory did matter
+    for a, b in zip(new_memory, want_mem):                                # the next memory is this segment's only
+        torch.testing.assert_close(a[1:2], b)
+
+
+def test_doc_start_every_row_drops_the_whole_memory_and_longer_memory_is_refused():
+    lm = _lm('xl', mem_len=16)
+    x = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, memory = lm(x)
+        _, memory = lm(x, memory)
+        got, mem = lm(x, memory, doc_start=torch.ones(2, dtype=torch.bool))
+        want, want_mem = lm(x)
+    torch.testing.assert_close(got, want)
+    assert [t.shape for t in mem] == [t.shape for t in want_mem]
+    # mem_len 16 > seq_len 8: the returned memory would keep 8 positions of the old document in row 0: refused
+    before = [t.clone() for t in memory]
+    with pytest.raises(ValueError, match='mem_len=16 > tokens seq_len=8'):
+        lm(x, memory, doc_start=torch.tensor([True, False]))
+    assert all(torch.equal(a, b) for a, b in zip(before, memory))
+
+
+def test_generate_doc_start_equals_a_fresh_model():
+    "generate keeps no XL memory between calls: a row that starts a document sees only its prompt (kNN emptied)."
+    lm = _lm('xl_paper', memorizing_layers=(1,), knn_capacity=32, top_k=4, mem_len=8)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        lm(torch.randint(0, V, (2, 8), generator=g), doc_start=torch.ones(2, dtype=torch.bool))
+    fresh = copy.deepcopy(lm); fresh.release_knn_memory()
+    prompt = torch.randint(0, V, (2, 4), generator=g)
+    out = lm.generate(prompt, 4, temperature=0, doc_start=torch.tensor([True, False]))
+    want = fresh.generate(prompt[:1], 4, temperature=0, doc_start=torch.tensor([True]))
+    assert torch.equal(out[:1], want)
+
+
 # ---------------------------------------------------------------- the corpus
 def _fake_stdlib(root, sizes):
     for i, n in enumerate(sizes):
@@ -89,6 +142,33 @@ def test_doc_stream_rows_read_whole_documents():
 
 def _knn_xl(seed=0):
     return _lm('xl_paper', seed=seed, memorizing_layers=(1,), knn_capacity=64, top_k=4)
+
+
+def test_memory_is_reset_per_document():
+    "Two documents in one row do not see each other's memory: the second reads as it would in a fresh model."
+    a, b = bytes(range(40, 40 + 30)), bytes(range(60, 60 + 26))
+    docs = [bytes(v % V for v in d) for d in (a, b)]
+    lm = _knn_xl()
+    fresh = copy.deepcopy(lm)
+    stream = S.DocStream(docs, batch=1, seq=8)
+    out, memory = [], None
+    with torch.no_grad():
+        for _ in range(8):   # 4 segments of the first document, 4 of the second
+            x, _, start = stream.next()
+            logits, memory = lm(x, memory, doc_start=start)
+            out.append((bool(start[0]), x, logits))
+        second = [i for i, (s, _, _) in enumerate(out) if s][1]
+        memory = None
+        for i in range(second, 8):
+            x = out[i][1]
+            want, memory = fresh(x, memory, doc_start=torch.tensor([i == second]))
+            torch.testing.assert_close(out[i][2], want, rtol=1e-5, atol=1e-5)
+    # and the first document did leave memory behind (the check above is not vacuous)
+    lm2 = copy.deepcopy(fresh); lm2.release_knn_memory()
+    with torch.no_grad():
+        _, m = lm2(out[0][1], doc_start=torch.tensor([True]))
+        leak, _ = lm2(out[second][1], m)
+    assert not torch.allclose(leak, out[second][2], atol=1e-3)
 
 
 def test_evaluate_without_memory_is_the_ordinary_models_score():
