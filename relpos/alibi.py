@@ -12,6 +12,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from .mha import MultiHeadAttention, functorch_active, guard_double_backward, is_causal_mask, check_position_ids
+from fastcore.basics import patch
+from .bias import toeplitz_score_mod, _use_flex, _flex_heads
 
 # %% ../nbs/07_alibi.ipynb #743a8d1c
 def _check_heads(heads) -> int:
@@ -114,8 +116,11 @@ class ALiBiMultiHeadAttention(MultiHeadAttention):
     def attention_fast(self, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
         "SDPA with the bias as its float mask; causal self-attention on CPU: the flash kernel's causal mode plus the finite bias."
         sq, sk = query.shape[0], key.shape[0]
-        # with position ids the bias is per batch element, `[batch, heads, sq, sk]`: SDPA with it as attn_mask
+        # with position ids the bias is per batch element, `[batch, heads, sq, sk]`: SDPA with it as attn_mask;
+        # grouped-query heads off CPU: SDPA with enable_gqa (the FlexAttention route reads one key head per query head)
         if position_ids is not None: return super().attention_fast(query, key, value, mask, position_ids=position_ids)
+        if self.kv_heads == self.heads and _use_flex(query, self.dropout.p if self.training else 0.0):   # CUDA: FlexAttention (chapter 3b)
+            return _flex_heads(query, key, value, self.score_mod(sq, sk), self.scale, mask)
         if (self.bidirectional or _flash_cpu is None or query.device.type != 'cpu' or functorch_active()
                 or (self.training and self.dropout.p > 0) or sq != sk or not is_causal_mask(mask, sq, sk)):
             return super().attention_fast(query, key, value, mask)
@@ -127,3 +132,18 @@ class ALiBiMultiHeadAttention(MultiHeadAttention):
         guard_double_backward(x, q)   # fused kernel: create_graph=True stops with the way out (need_weights=True)
         x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
         return x.permute(2, 0, 1, 3)
+
+# %% ../nbs/07_alibi.ipynb #flexalib2
+@patch
+def distance_table(self:ALiBiMultiHeadAttention, seq_len_q:int, seq_len_k:int) -> torch.Tensor:
+    "The bias as its `[heads, seq_q + seq_k - 1]` distance table: column m is distance `r = m - (seq_k - 1)`, $m_h r$ (causal) or $-m_h |r|$."
+    w = self.output.weight
+    dtype = w.dtype if w.dtype == torch.float64 else torch.float32   # as `position_bias`
+    r = torch.arange(seq_len_q + seq_len_k - 1, device=w.device) - (seq_len_k - 1)
+    if self.bidirectional: r = -r.abs()
+    return alibi_slopes(self.heads, dtype, w.device)[:, None] * r.to(dtype)
+
+@patch
+def score_mod(self:ALiBiMultiHeadAttention, seq_len_q:int, seq_len_k:int):
+    "FlexAttention `score_mod` adding the layer's bias (`relpos.bias.toeplitz_score_mod` of `distance_table`); causal ALiBi's mask is the layer's mask."
+    return toeplitz_score_mod(self.distance_table(seq_len_q, seq_len_k), seq_len_q)

@@ -15,6 +15,8 @@ from .mha import MultiHeadAttention, is_causal_mask, expand_kv, check_position_i
 from .fourier import _as_int, sdpa_bias
 from .bias import toeplitz, toeplitz_attention, _toeplitz_heads, _toeplitz_attention_reference
 _all_ = ['toeplitz', 'toeplitz_attention']   # chapter 3b's Toeplitz kernel, importable from relpos.t5 too
+from fastcore.basics import patch
+from .bias import toeplitz_score_mod, _use_flex, _flex_heads
 
 # %% ../nbs/08_t5.ipynb #t50006
 def check_buckets(bidirectional:bool, # one set of buckets per direction (encoder) or only keys at or before the query (decoder)
@@ -178,6 +180,8 @@ class T5MultiHeadAttention(MultiHeadAttention):
         dropout_p = self.dropout.p if self.training else 0.0
         if position_ids is None:
             distance_bias = self.positions.distance_bias(nq, nk)
+            if _use_flex(query, dropout_p):   # CUDA: FlexAttention reads the distance table (chapter 3b)
+                return _flex_heads(query, key, value, toeplitz_score_mod(distance_bias, nq), self.scale, mask)
             causal = is_causal_mask(mask, nq, nk)
             if mask is None or causal:
                 return _toeplitz_heads(query, key, value, distance_bias, self.scale, causal, dropout_p)
@@ -193,3 +197,9 @@ class T5MultiHeadAttention(MultiHeadAttention):
         # the fused CPU kernel can turn a NaN/Inf query row into 0; put the NaN back (as the base class does)
         x = x + q.sum(-1, keepdim=True) * 0
         return x.permute(2, 0, 1, 3)
+
+# %% ../nbs/08_t5.ipynb #flext5mu2
+@patch
+def score_mod(self:T5MultiHeadAttention, seq_len_q:int, seq_len_k:int):
+    "FlexAttention `score_mod` adding the layer's bias: `relpos.bias.toeplitz_score_mod` of `positions.distance_bias`."
+    return toeplitz_score_mod(self.positions.distance_bias(seq_len_q, seq_len_k), seq_len_q)
