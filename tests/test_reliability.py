@@ -1019,7 +1019,7 @@ def _run_isolated(module, target, name):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", _CHILD, os.path.abspath(__file__), module, target, name],
-                       capture_output=True, text=True, env=env, cwd=root, timeout=120)
+                       capture_output=True, text=True, env=env, cwd=root)
     if r.returncode < 0:
         raise Fail(f"the process was killed by {signal.Signals(-r.returncode).name}")
     out = [l for l in r.stdout.splitlines() if l.startswith("OUTCOME ")]
