@@ -697,6 +697,46 @@ def _(mod):
 def _(mod): return raises(lambda: mod.RelativePosition(4, -1), "k")
 
 
+# ================================================================ relpos.memorizing
+KM = ("memorizing", "KNNMemory")
+
+
+def _knn_memory(mod):
+    torch.manual_seed(0)
+    m = mod.KNNMemory(2, 2, 4, capacity=6)
+    m.add(torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4))
+    return m
+
+
+def _unchanged_after(m, fn, *names):
+    "`fn` must raise naming one of `names`, and leave the memory's state as it was."
+    before = {k: t.clone() for k, t in m.state_dict().items()}
+    out = raises(fn, *names)
+    if any(not torch.equal(t, before[k]) for k, t in m.state_dict().items()): raise Fail("a refused call changed the memory")
+    return out
+
+
+for name, bad, where in [("NaN key", float("nan"), "keys"), ("inf key", float("inf"), "keys"),
+                         ("-inf value", -float("inf"), "values"), ("NaN value, more than capacity", float("nan"), "values")]:
+    def _(mod, bad=bad, where=where, n=9 if "capacity" in name else 3):
+        m = _knn_memory(mod)
+        pair = {"keys": torch.randn(2, 2, n, 4), "values": torch.randn(2, 2, n, 4)}
+        pair[where][0, 1, 0, 2] = bad
+        return _unchanged_after(m, lambda: m.add(pair["keys"], pair["values"]), where)
+    case(*KM, name)(_)
+
+
+@case("memorizing", "MemorizingAttention", "inf in key and value (with start_of_document)")
+def _(mod):
+    torch.manual_seed(0)
+    layer = mod.MemorizingAttention(H, D, 0.0, knn_capacity=10, top_k=2).eval()
+    x = torch.randn(3, 2, D)
+    layer(query=x, key=x, value=x)
+    bad = x.clone(); bad[1, 0, 0] = float("inf")
+    return _unchanged_after(layer.memory, lambda: layer(query=bad, key=bad, value=bad,
+                                                        start_of_document=torch.tensor([True, True])), "keys", "values")
+
+
 # ================================================================ relpos.fourier
 @case("fourier", "position_encoding", "negative num_positions")
 def _(mod): return raises(lambda: mod.position_encoding(-1, 8), "num_positions")
