@@ -208,7 +208,7 @@ def _hidden_columns(mask:Optional[torch.Tensor], # bool `[b|1, 1, n_q|1, n_k]`, 
                     blocks:list,                  # `(i0, i1, k0, k1)` from `block_key_ranges`, blocks of equal rows
                    ) -> list:                     # per block: None, or `(j0, j1, hidden)`
     "Per block, the columns `k0+j0 : k0+j1` of its keys where `mask` hides any score, with `hidden` (True = hidden) over them; None where it hides none."
-    if mask is None or not blocks: return [None] * len(blocks)
+    if mask is None or not blocks or mask.shape[0] == 0: return [None] * len(blocks)   # no mask, or no batch element
     hidden = ~mask[:, 0].expand(-1, n_q, -1)                                  # [b|1, n_q, n_k]
     c, n_k = blocks[0][1] - blocks[0][0], hidden.shape[-1]
     # which columns hold a hidden score, per block of rows (over the batch too): a few whole-mask ops, not a few per

@@ -378,6 +378,8 @@ class MemorizingAttention(nn.Module):
         n_q, batch = query.shape[:2]
         if n_q > key.shape[0]:
             raise ValueError(f"MemorizingAttention: query ({n_q}) must be the last positions of key ({key.shape[0]}): self-attention over [memory, segment]")
+        if batch == 0:   # no document: nothing to search or store, and no memory is built for batch 0
+            return local.output(local.value(value)[-n_q:].reshape(n_q, 0, self.d_model))
         memory = self._memory_for(batch, query.device)
         q, k, v = local.query(query), local.key(key), local.value(value)   # [seq, batch, heads, d_k]: one set of projections
         # what this segment will store (the last n_q keys): checked before the memory changes at all

@@ -295,9 +295,9 @@ def block_key_ranges(mask:Optional[torch.Tensor], # bool `[b|1, 1, n_q|1, n_k]`,
                      block_rows:int,               # query rows per block
                      empty_rows_see_all:bool=True, # a block holding a fully masked row keeps every key; False: the caller's such rows get zero weight anyway
                     ) -> List[Tuple[int, int, int, int]]: # `(i0, i1, k0, k1)` per block
-    "Blocks of `block_rows` query rows `i0:i1`, each with the keys `[k0, k1)` outside of which its mask rows hide every key."
+    "Blocks of `block_rows` query rows `i0:i1`, each with the keys `[k0, k1)` outside of which its mask rows hide every key (an empty batch: every key)."
     starts = range(0, n_q, block_rows)
-    if mask is None or n_q == 0 or n_k == 0: return [(i0, min(n_q, i0 + block_rows), 0, n_k) for i0 in starts]
+    if mask is None or n_q == 0 or n_k == 0 or mask.shape[0] == 0: return [(i0, min(n_q, i0 + block_rows), 0, n_k) for i0 in starts]
     # A few whole-mask reductions, not a few per block (each small op can wake the thread pool), on uint8 (a free
     # view: torch's bool reductions over a middle dim are hundreds of times slower than amax)
     m = mask[:, 0].view(torch.uint8)                                 # [b|1, n_q|1, n_k]

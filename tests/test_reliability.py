@@ -223,6 +223,18 @@ def _attn_cases(module, target, make):
         if _both(m, q, kv).shape != (5, 0, D): raise Fail("shape")
         return "ok (empty)"
 
+    @c("batch 0, 1100 keys, padding and causal masks, backward")
+    def _(mod):
+        m = make(mod).train()                  # the blockwise fast paths and their backward
+        for mask in (torch.ones(1, 1100, 0, dtype=torch.bool), torch.ones(1100, 1100, 1, dtype=torch.bool).tril()):
+            for need_weights in (False, True):
+                x = torch.randn(1100, 0, D, requires_grad=True)
+                out = m(query=x, key=x, value=x, mask=mask, need_weights=need_weights)
+                if out.shape != (1100, 0, D): raise Fail(f"shape {tuple(out.shape)}")
+                out.sum().backward()
+                if x.grad.shape != x.shape: raise Fail("gradient shape")
+        return "ok (empty, gradients empty)"
+
     for bad in ("nan", "inf"):
         @c(f"{bad} in one query")
         def _(mod, bad=bad):
@@ -644,6 +656,29 @@ def _(mod):
     m, (q, kv) = _shaw(mod), _bsd(sq=0, sk=0)
     if m(q, kv, kv).shape != (3, 0, HS): raise Fail("shape")
     return "ok (empty)"
+
+
+@case(*S, "batch 0, keys >= PER_HEAD_MIN_KEYS (per-head layout), with and without mask, backward")
+def _(mod):
+    m = _shaw(mod).train()
+    n = mod.PER_HEAD_MIN_KEYS + 10
+    for mask in (None, torch.ones(0, n)):
+        x = torch.randn(0, n, HS, requires_grad=True)
+        out = m(x, x, x, mask=mask)
+        if out.shape != (0, n, HS): raise Fail(f"shape {tuple(out.shape)}")
+        out.sum().backward()
+        if x.grad.shape != x.shape or m.relative_position_k.position_embeddings.grad.abs().sum() != 0: raise Fail("gradients")
+    return "ok (empty, zero gradients)"
+
+
+@case("memorizing", "MemorizingAttention", "batch 0")
+def _(mod):
+    layer = mod.MemorizingAttention(H, D, 0.0, knn_capacity=10, top_k=2)
+    x = torch.randn(4, 0, D, requires_grad=True)
+    out = layer(query=x, key=x, value=x)
+    if out.shape != (4, 0, D) or layer.memory is not None: raise Fail("batch 0: empty output, no memory built")
+    out.sum().backward()
+    return "ok (empty, no memory)"
 
 
 @case(*S, "keys longer than queries")
