@@ -391,7 +391,7 @@ class MemorizingAttention(nn.Module):
             memory.reset(start_of_document)   # checks it: bool [batch]
         # local side: the relpos method's own paths (readable when weights are wanted)
         need_weights = local.need_weights if need_weights is None else need_weights
-        if need_weights or not local._fast_path_ok():
+        if need_weights or not local._fast_path_ok() or local._large_scores(q, k):
             x_local, attn = local.attention_reference(q, k, v, mask); local.attn = attn.detach()
         else:
             x_local = local.attention_fast(q, k, v, mask); local.attn = None

@@ -223,6 +223,23 @@ def _attn_cases(module, target, make):
         if _both(m, q, kv).shape != (5, 0, D): raise Fail("shape")
         return "ok (empty)"
 
+    for big in (1e3, 1e4):
+        @c(f"query and key x{big:.0e}: input gradients == readable path's, finite")
+        def _(mod, big=big):
+            m = build(mod).train()
+            grads = {}
+            for need_weights in (False, True):
+                q, kv = _qkv(sq=7, sk=7)
+                q, kv = (q * big).requires_grad_(), (kv * big).requires_grad_()
+                out = m(query=q, key=kv, value=kv, mask=torch.ones(7, 7, dtype=torch.bool).tril()[..., None],
+                        need_weights=need_weights)
+                (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+                grads[need_weights] = (q.grad, kv.grad)
+                finite(q.grad, "query gradient"); finite(kv.grad, "key gradient")
+            for a, b, what in zip(grads[False], grads[True], ("query", "key")):
+                if (a - b).abs().max() > 1e-5 * max(1.0, b.abs().max().item()): raise Fail(f"{what} gradient off the readable path's")
+            return "ok (== readable, finite)"
+
     @c("batch 0, 1100 keys, padding and causal masks, backward")
     def _(mod):
         m = make(mod).train()                  # the blockwise fast paths and their backward
