@@ -417,8 +417,10 @@ class MemStudyResults:
         return f'`{label}` − `{base}`: {m:+.3f} bits per byte ({tag})'
 
     def verdict(self, label, base, lo=LATE[0], hi=LATE[1]):
-        "'better', 'worse' (every seed agrees, at least 0.005 bits), 'no difference' (otherwise), or None (not run)."
+        """'better', 'worse' (every seed agrees, at least 0.005 bits), 'no difference' (otherwise), 'one seed' (only one
+        seed of both stored: no verdict), or None (not run)."""
         if label not in self.labels or base not in self.labels: return None
+        if len(self.diffs(label, base, lo, hi)) < 2: return 'one seed'
         m, sure = self.gain(label, base, lo, hi)
         return ('better' if m < 0 else 'worse') if sure else 'no difference'
 
@@ -431,8 +433,8 @@ class MemStudyResults:
         more = [v(b, a) for b, a in steps]
         out = [('a kNN memory lowers bits per byte', v('knn 16x', 'none'), c('knn 16x', 'none')),
                ('more memory lowers it more (1× → 4× → 16× → 64× the segment)',
-                None if not steps else 'better' if all(x == 'better' for x in more) else
-                'worse' if any(x == 'worse' for x in more) else 'no difference',
+                None if not steps else 'one seed' if 'one seed' in more else 'better' if all(x == 'better' for x in more)
+                else 'worse' if any(x == 'worse' for x in more) else 'no difference',
                 '; '.join(c(b, a) for b, a in steps)),
                ('the XL cache lowers it', v('xl', 'none'), c('xl', 'none')),
                ('the XL cache gains more than the kNN memory alone', v('xl', 'knn 16x'), c('xl', 'knn 16x')),

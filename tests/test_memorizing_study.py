@@ -243,3 +243,5 @@ def test_results_reader_pairs_seeds_and_marks_only_agreeing_differences():
     assert claims['the XL cache gains more than the kNN memory alone'] == 'no difference'   # +0.2, -0.05: seeds disagree
     assert claims['memory + XL cache beats the XL cache alone'] is None                       # not run
     assert R.verdict('none', 'knn 16x') == 'worse'
+    R1 = S.MemStudyResults([r for r in runs if r.get('seed') == 0])          # one seed: no verdict either way
+    assert R1.verdict('knn 16x', 'none') == 'one seed' and not R1.gain('knn 16x', 'none', *S.LATE)[1]
