@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
+from fastcore.basics import patch
 from .mha import MultiHeadAttention
 from .relative_mha import RelativeMultiHeadAttention, XLRelativeMultiHeadAttention, FeedForward, TransformerXLModel
 from .shaw import RelationAwareMultiHeadAttention
@@ -220,9 +221,10 @@ class DecoderLM(nn.Module):
 # %% ../nbs/09_models.ipynb #d7b9adb4
 KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5') # positions a kNN layer can take as its local side
 
-def _make_memorizing(self, layer:int,          # index of the layer
-                     attn:BatchFirstAttention, # its attention from `make_attention(layer)`: the local side
-                    ) -> BatchFirstAttention:  # `MemorizingAttention` around `attn.module`, behind the same adapter
+@patch
+def make_memorizing(self:DecoderLM, layer:int,  # index of the layer
+                    attn:BatchFirstAttention, # its attention from `make_attention(layer)`: the local side
+                   ) -> BatchFirstAttention:  # `MemorizingAttention` around `attn.module`, behind the same adapter
     "Make layer `layer`'s attention the local side of a `MemorizingAttention` (called by `make_layer` for `memorizing_layers`)."
     local = attn.module if isinstance(attn, SequenceFirstAttention) else None
     if self.position == 'absolute' or not attn.supports_memory or not isinstance(local, MultiHeadAttention):
@@ -235,12 +237,16 @@ def _make_memorizing(self, layer:int,          # index of the layer
                               knn_memory_kwargs=self.knn_memory_kwargs)
     return SequenceFirstAttention(knn, supports_memory=True, max_keys=attn.max_keys, max_keys_arg=attn.max_keys_arg)
 
-def _memorizing(self) -> List[MemorizingAttention]:
+# %% ../nbs/09_models.ipynb #8d1a40d5
+@patch(as_prop=True)
+def memorizing(self:DecoderLM) -> List[MemorizingAttention]:
     "The `MemorizingAttention` modules of `memorizing_layers`, in layer order."
     return [self.layers[i].self_attn.module for i in self.memorizing_layers]
 
-def _knn_start(self, batch:int, doc_start:Optional[torch.Tensor]):
-    "Check `doc_start` and the kNN memories' batch size, then empty the memories of the rows whose document starts."
+# %% ../nbs/09_models.ipynb #493a3dce
+@patch
+def _check_doc_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]):
+    "`doc_start` must be None or a bool `[batch]` on the parameters' device."
     if doc_start is not None:
         if not isinstance(doc_start, torch.Tensor) or doc_start.dtype != torch.bool:
             got = f"dtype {doc_start.dtype}" if isinstance(doc_start, torch.Tensor) else type(doc_start).__name__
@@ -249,6 +255,11 @@ def _knn_start(self, batch:int, doc_start:Optional[torch.Tensor]):
             raise ValueError(f"doc_start must have shape [batch={batch}], got {tuple(doc_start.shape)}")
         if doc_start.device != self.src_embed.weight.device:
             raise ValueError(f"doc_start is on {doc_start.device} but the model's parameters are on {self.src_embed.weight.device}")
+
+@patch
+def _knn_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]):
+    "Check `doc_start` and the kNN memories' batch size, then empty the memories of the rows whose document starts."
+    self._check_doc_start(batch, doc_start)
     layers = self.memorizing
     held = {a.memory.batch_size for a in layers if a.memory is not None}
     if held and held != {batch}:
@@ -261,36 +272,44 @@ def _knn_start(self, batch:int, doc_start:Optional[torch.Tensor]):
     if doc_start is not None:
         for a in layers: a.reset_memory(doc_start)
 
-def _get_loss_component(self, strict:bool=False) -> torch.Tensor:
+# %% ../nbs/09_models.ipynb #78d728e6
+@patch
+def get_loss_component(self:DecoderLM, strict:bool=False) -> torch.Tensor:
     "Sum of the kNN layers' gate auxiliary losses from the last forward (taken: a second call gives 0); add it to the loss."
     losses = [a.get_loss_component(strict) for a in self.memorizing]
     return sum(losses[1:], losses[0]) if losses else self.src_embed.weight.new_zeros(())
 
-def _reset_knn_memory(self, which:torch.Tensor): # bool `[batch]`
+# %% ../nbs/09_models.ipynb #c7f3ba82
+@patch
+def reset_knn_memory(self:DecoderLM, which:torch.Tensor): # bool `[batch]`
     "Empty the kNN memories of the marked rows in every kNN layer (what `doc_start` does)."
     for a in self.memorizing: a.reset_memory(which)
 
-def _release_knn_memory(self):
+# %% ../nbs/09_models.ipynb #bfa885fb
+@patch
+def release_knn_memory(self:DecoderLM):
     "Drop every kNN memory; the next call builds them for its batch size."
     for a in self.memorizing: a.release_memory()
 
-def _knn_memory_state_dict(self) -> Dict[int, dict]:
+# %% ../nbs/09_models.ipynb #f9b74b4d
+@patch
+def knn_memory_state_dict(self:DecoderLM) -> Dict[int, dict]:
     "The kNN memories' contents by layer index (not part of `state_dict()`), for checkpoint/resume mid-document."
     return {i: a.memory_state_dict() for i, a in zip(self.memorizing_layers, self.memorizing)}
 
-def _load_knn_memory_state_dict(self, state:Dict[int, dict]):
+# %% ../nbs/09_models.ipynb #3b6d164b
+@patch
+def load_knn_memory_state_dict(self:DecoderLM, state:Dict[int, dict]):
     "Restore what `knn_memory_state_dict` returned."
     if not isinstance(state, dict) or set(state) != set(self.memorizing_layers):
         raise ValueError(f"knn memory state must map the memorizing_layers {self.memorizing_layers} to memory states "
                          f"(from knn_memory_state_dict()), got keys {list(state) if isinstance(state, dict) else type(state).__name__}")
     for i, a in zip(self.memorizing_layers, self.memorizing): a.load_memory_state_dict(state[i])
 
-DecoderLM.make_memorizing, DecoderLM.memorizing, DecoderLM._knn_start = _make_memorizing, property(_memorizing), _knn_start
-DecoderLM.get_loss_component, DecoderLM.reset_knn_memory, DecoderLM.release_knn_memory = _get_loss_component, _reset_knn_memory, _release_knn_memory
-DecoderLM.knn_memory_state_dict, DecoderLM.load_knn_memory_state_dict = _knn_memory_state_dict, _load_knn_memory_state_dict
-
 # %% ../nbs/09_models.ipynb #76cc3af2
-def _check_tokens(self, tokens, name='tokens'):
+@patch
+def _check_tokens(self:DecoderLM, tokens, name='tokens'):
+    "`tokens` must be integer ids `[batch, seq_len]` in `[0, n_vocab)` on the model's device; errors say `name`."
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor [batch, seq_len], got {type(tokens).__name__}")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -304,7 +323,9 @@ def _check_tokens(self, tokens, name='tokens'):
         if lo < 0 or hi >= self.n_vocab:
             raise ValueError(f"{name} must be ids in [0, n_vocab={self.n_vocab}), got values in [{int(lo)}, {int(hi)}]")
 
-def _check_memory(self, memory, batch) -> int:
+# %% ../nbs/09_models.ipynb #5ff6697f
+@patch
+def _check_memory(self:DecoderLM, memory, batch) -> int:
     "Check `memory` (one `[batch, m, d_model]` per layer); return `m`."
     n_layers, w = len(self.layers), self.src_embed.weight
     if not isinstance(memory, (list, tuple)) or len(memory) != n_layers:
@@ -324,13 +345,19 @@ def _check_memory(self, memory, batch) -> int:
         m = t.shape[1]
     return m
 
-def _check_length(self, n_keys:int, what:str):
+# %% ../nbs/09_models.ipynb #659e2d6f
+@patch
+def _check_length(self:DecoderLM, n_keys:int, what:str):
+    "Refuse `n_keys` keys beyond `max_keys`, naming the `DecoderLM` argument that sets it."
     if self.max_keys is not None and n_keys > self.max_keys:
         arg = self.max_keys_arg
         raise ValueError(f"{what} = {n_keys} positions, but position={self.position!r} covers at most "
                          f"{arg}={self.max_keys}; build DecoderLM(..., {arg}={n_keys}) (or larger)")
 
-def _run(self, tokens, memory, keep:Optional[int]):
+# %% ../nbs/09_models.ipynb #7bbd2718
+@patch
+def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
+         drop:Optional[torch.Tensor]=None): # bool `[batch]`: rows that never attend `memory` (their document starts here)
     "Layers over `tokens` after `memory` (checked); returns logits and the new memory, `keep` positions long (None: all)."
     b, n = tokens.shape
     m = memory[0].shape[1] if memory else 0
@@ -338,6 +365,11 @@ def _run(self, tokens, memory, keep:Optional[int]):
     if self.pos_embed is not None: x = x + self.pos_embed.weight[m:m + n]   # memory only in generate: positions go on
     x = self.drop(x)
     mask = causal_mask(n, m + n, device=tokens.device)
+    if m and drop is not None and bool(drop.any()):
+        # a flagged row's memory is its previous document: its queries see only their own segment, as in a fresh call
+        # (positions inside the segment are relative to each other alike); one mask per row, [batch, n, m + n]
+        mask = mask.expand(b, n, m + n).clone()
+        mask[drop, :, :m] = False
     new_memory = []
     for i, layer in enumerate(self.layers):
         mem = memory[i] if memory else None
@@ -350,10 +382,13 @@ def _run(self, tokens, memory, keep:Optional[int]):
         x = layer(x, mem, mask)
     return self.generator(self.norm(x)), new_memory
 
-def _forward(self, tokens:torch.Tensor,               # token ids `[batch, seq_len]`
-             memory:Optional[List[torch.Tensor]]=None, # the memory returned by the previous call (None or []: none)
-             doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first)
-            ) -> Tuple[torch.Tensor, List[torch.Tensor]]: # logits `[batch, seq_len, n_vocab]`, next memory (`[]` if `mem_len=0`)
+# %% ../nbs/09_models.ipynb #e139980d
+@patch
+def forward(self:DecoderLM, tokens:torch.Tensor,      # token ids `[batch, seq_len]`
+            memory:Optional[List[torch.Tensor]]=None, # the memory returned by the previous call (None or []: none)
+            doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first, their XL memory is not attended)
+           ) -> Tuple[torch.Tensor, List[torch.Tensor]]: # logits `[batch, seq_len, n_vocab]`, next memory (`[]` if `mem_len=0`)
+    "Logits for `tokens` after `memory`, and the next memory: each layer's inputs on the last `mem_len` positions, detached."
     self._check_tokens(tokens)
     if isinstance(memory, (list, tuple)) and len(memory) == 0: memory = None   # what mem_len=0 returns
     m = 0
@@ -363,23 +398,30 @@ def _forward(self, tokens:torch.Tensor,               # token ids `[batch, seq_l
                              f"pass memory=None")
         m = self._check_memory(memory, tokens.shape[0])
     if tokens.shape[1]: self._check_length(m + tokens.shape[1], 'tokens seq_len + memory length' if m else 'tokens seq_len')
+    self._check_doc_start(tokens.shape[0], doc_start)
+    if m and doc_start is not None and bool(doc_start.any()):
+        if bool(doc_start.all()): memory, m = None, 0   # every row starts a document: none attends the memory
+        elif self.mem_len > tokens.shape[1]:
+            # the memory returned would keep mem_len - seq_len positions of a flagged row's previous document, which
+            # the next call would attend: refused rather than leaked
+            raise ValueError(f"doc_start: rows {doc_start.nonzero().flatten().tolist()} start a document, but with "
+                             f"mem_len={self.mem_len} > tokens seq_len={tokens.shape[1]} the memory returned would keep "
+                             f"their previous document; start documents in calls of seq_len >= mem_len, or in every "
+                             f"row at once (doc_start all True drops the whole memory)")
     self._knn_start(tokens.shape[0], doc_start)   # last: a refused call changes no memory
     if tokens.shape[1] == 0:  # nothing to attend from: empty logits, memory unchanged
         return self.generator(self.norm(self.src_embed(tokens))), ([] if memory is None else list(memory))
-    return self._run(tokens, memory, self.mem_len)
-
-DecoderLM._check_tokens, DecoderLM._check_memory, DecoderLM._check_length = _check_tokens, _check_memory, _check_length
-DecoderLM._run, DecoderLM.forward = _run, _forward
+    return self._run(tokens, memory, self.mem_len, doc_start)
 
 # %% ../nbs/09_models.ipynb #d35cbcce
-@torch.no_grad()
-def _generate(self, prompt:torch.Tensor,     # token ids `[batch, seq_len]`, at least one per row
-              max_new_tokens:int,            # tokens to append
-              temperature:float=1.0,         # divides the logits; 0: greedy (argmax)
-              top_k:Optional[int]=None,      # sample among the `top_k` most likely tokens only
-              generator:Optional[torch.Generator]=None, # random numbers for the sampling
-              doc_start:Optional[torch.Tensor]=None, # bool `[batch]`: rows whose document starts with the prompt (kNN memories emptied first)
-             ) -> torch.Tensor:              # `[batch, seq_len + max_new_tokens]`
+@patch
+def generate(self:DecoderLM, prompt:torch.Tensor, # token ids `[batch, seq_len]`, at least one per row
+             max_new_tokens:int,            # tokens to append
+             temperature:float=1.0,         # divides the logits; 0: greedy (argmax)
+             top_k:Optional[int]=None,      # sample among the `top_k` most likely tokens only
+             generator:Optional[torch.Generator]=None, # random numbers for the sampling
+             doc_start:Optional[torch.Tensor]=None, # bool `[batch]`: rows whose document starts with the prompt (kNN memories emptied first; generate starts with no XL memory)
+            ) -> torch.Tensor:              # `[batch, seq_len + max_new_tokens]`
     "Sample continuations; each layer's earlier inputs are cached, so a new token costs one position, not the whole prefix."
     self._check_tokens(prompt, 'prompt')
     if prompt.shape[1] == 0: raise ValueError("prompt must hold at least one token per row, got seq_len 0")
@@ -390,20 +432,21 @@ def _generate(self, prompt:torch.Tensor,     # token ids `[batch, seq_len]`, at 
         _check_int(top_k, 'top_k', 1)
         if top_k > self.n_vocab: raise ValueError(f"top_k must be <= n_vocab={self.n_vocab}, got {top_k}")
     self._check_length(prompt.shape[1] + max_new_tokens - 1, 'prompt seq_len + max_new_tokens - 1')
-    if max_new_tokens == 0: return prompt
-    self._knn_start(prompt.shape[0], doc_start)   # kNN layers: the prompt continues the documents in their memories
-    was_training = self.training
-    self.eval()
-    try:
-        out = [prompt]
-        logits, cache = self._run(prompt, None, None)   # cache: every earlier layer input, kept whole
-        for step in range(max_new_tokens):
-            nxt = _sample(logits[:, -1].float(), temperature, top_k, generator)
-            out.append(nxt)
-            if step + 1 < max_new_tokens: logits, cache = self._run(nxt, cache, None)
-    finally:
-        self.train(was_training)
-    return torch.cat(out, dim=1)
+    with torch.no_grad():   # sampling builds no autograd graph
+        if max_new_tokens == 0: return prompt
+        self._knn_start(prompt.shape[0], doc_start)   # kNN layers: the prompt continues the documents in their memories
+        was_training = self.training
+        self.eval()
+        try:
+            out = [prompt]
+            logits, cache = self._run(prompt, None, None)   # cache: every earlier layer input, kept whole
+            for step in range(max_new_tokens):
+                nxt = _sample(logits[:, -1].float(), temperature, top_k, generator)
+                out.append(nxt)
+                if step + 1 < max_new_tokens: logits, cache = self._run(nxt, cache, None)
+        finally:
+            self.train(was_training)
+        return torch.cat(out, dim=1)
 
 def _sample(logits, temperature, top_k, generator):
     "Next token `[batch, 1]` from `logits [batch, n_vocab]`."
@@ -413,8 +456,6 @@ def _sample(logits, temperature, top_k, generator):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float('-inf'))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)
-
-DecoderLM.generate = _generate
 
 # %% ../nbs/09_models.ipynb #612e405e
 def labml_xl_state_dict(state_dict:dict, # a labml_nn Transformer-XL `AutoregressiveModel` (or `TransformerXLModel`) state_dict
