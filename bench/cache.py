@@ -22,33 +22,50 @@ def prompt_of(batch):
     return torch.randint(0, N_VOCAB, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
 
 
-@torch.no_grad()
-def step_times(lm, prompt, new=NEW, use_cache=True):
-    """Greedy decoding as `generate` runs it, timed step by step: `(total seconds, per-token seconds [new - 1])`.
-    The cached loop is `generate(use_cache=True)`'s (prefill, then one position per token); the uncached one keeps every
-    layer's inputs (`use_cache=False`) and projects them again at every token."""
-    times = []
-    t0 = time.perf_counter()
-    if use_cache:
-        b, n = prompt.shape
-        cache = lm.new_cache(b, n + new - 1)
-        q_pos, valid = lm._cache_positions(cache, n, None, None, None)
-        logits = lm._cached_run(prompt, cache, q_pos, valid, last_only=True)[:, -1]
-        for t in range(new - 1):
-            s = time.perf_counter()
-            nxt = logits.argmax(-1, keepdim=True)
-            logits = lm._cached_run(nxt, cache, cache.next_position[:, None], None)[:, -1]
-            times.append(time.perf_counter() - s)
-    else:
-        logits, memory = lm._run(prompt, None, None)
-        logits = logits[:, -1]
-        for t in range(new - 1):
-            s = time.perf_counter()
-            nxt = logits.argmax(-1, keepdim=True)
-            logits, memory = lm._run(nxt, memory, None)
-            logits = logits[:, -1]
-            times.append(time.perf_counter() - s)
-    return time.perf_counter() - t0, times
+class Decoder:
+    "One row-batch being decoded greedily, cached (`generate(use_cache=True)`'s loop) or not (the hidden-state memory of `use_cache=False`)."
+    def __init__(self, lm, prompt, use_cache, max_cache_len=PROMPT + NEW - 1):
+        self.lm, self.use_cache = lm, use_cache
+        with torch.no_grad():
+            if use_cache:
+                self.cache = lm.new_cache(prompt.shape[0], max_cache_len)
+                q_pos, valid = lm._cache_positions(self.cache, prompt.shape[1], None, None, None)
+                self.logits = lm._cached_run(prompt, self.cache, q_pos, valid, last_only=True)[:, -1]
+            else:
+                logits, self.memory = lm._run(prompt, None, None)
+                self.logits = logits[:, -1]
+
+    @torch.no_grad()
+    def step(self) -> float:
+        "One new token; returns its time in seconds."
+        s = time.perf_counter()
+        nxt = self.logits.argmax(-1, keepdim=True)
+        if self.use_cache:
+            self.logits = self.lm._cached_run(nxt, self.cache, self.cache.next_position[:, None], None)[:, -1]
+        else:
+            logits, self.memory = self.lm._run(nxt, self.memory, None)
+            self.logits = logits[:, -1]
+        return time.perf_counter() - s
+
+
+def generate_seconds(lm, prompt, use_cache):
+    "Wall time of greedy `generate` of NEW tokens after `prompt`."
+    s = time.perf_counter()
+    lm.generate(prompt, NEW, temperature=0, use_cache=use_cache)
+    return time.perf_counter() - s
+
+
+def interleaved_steps(lm, prompts, use_cache, steps, rounds):
+    """Per-token seconds of `steps` decode steps after each prompt of `prompts` (different lengths), the prompts' steps
+    interleaved one by one so that a busy machine slows them alike; each step keeps its fastest of `rounds` rounds.
+    Returns one list of `steps` times per prompt."""
+    best = [[float('inf')] * steps for _ in prompts]
+    for _ in range(rounds):
+        decoders = [Decoder(lm, p, use_cache) for p in prompts]
+        for i in range(steps):
+            order = range(len(prompts)) if i % 2 == 0 else reversed(range(len(prompts)))
+            for j in order: best[j][i] = min(best[j][i], decoders[j].step())
+    return best
 
 
 def llama(batch_sizes=(1, 8), rounds=3):
@@ -82,37 +99,50 @@ def llama(batch_sizes=(1, 8), rounds=3):
     return out
 
 
-def per_method(batch_sizes=(1, 8), positions=POSITIONS, window=16):
-    "Per method and batch: tokens/s cached and uncached, the per-token time against the context (medians over `window` steps)."
+def per_method(batch_sizes=(1, 8), positions=POSITIONS, contexts=(128, 192, 256, 320, 382), steps=8, rounds=3):
+    """Per method and batch: tokens/s of `generate` cached and uncached; the time of a token at each context of `contexts`
+    (median of `steps` steps, each the fastest of `rounds` rounds, contexts interleaved); and the first and last 32 tokens
+    of the benchmark's generation (contexts 128..159 and 351..382), timed the same way against each other."""
     table, per_token = [], {str(b): {} for b in batch_sizes}
     for b in batch_sizes:
-        prompt = prompt_of(b)
+        long = torch.randint(0, N_VOCAB, (b, PROMPT + NEW), generator=torch.Generator().manual_seed(2))
         for p in positions:
             lm = make(p)
-            step_times(lm, prompt[:, :16], 8)                # warm-up
-            total_c, tc = step_times(lm, prompt, use_cache=True)
-            total_u, tu = step_times(lm, prompt, use_cache=False)
-            f32, l32 = statistics.median(tc[:32]), statistics.median(tc[-32:])
+            Decoder(lm, long[:, :16], True).step()                       # warm-up
+            total_c, total_u = generate_seconds(lm, long[:, :PROMPT], True), generate_seconds(lm, long[:, :PROMPT], False)
+            first, last = interleaved_steps(lm, [long[:, :PROMPT], long[:, :PROMPT + NEW - 32 - 1]], True, 32, rounds)
+            f32, l32 = statistics.median(first), statistics.median(last)
+            curve = {}
+            for use_cache in (True, False):
+                ts = interleaved_steps(lm, [long[:, :c] for c in contexts], use_cache, steps, rounds)
+                curve['cached_ms' if use_cache else 'uncached_ms'] = [1e3 * statistics.median(t) for t in ts]
+            per_token[str(b)][p] = dict(context=list(contexts), **curve)
             table.append(dict(position=p, batch=b, cached_tok_s=b * NEW / total_c, uncached_tok_s=b * NEW / total_u,
                               first32_ms=1e3 * f32, last32_ms=1e3 * l32, last_over_first=l32 / f32))
-            med = lambda ts: [1e3 * statistics.median(ts[i:i + window]) for i in range(0, len(ts) - window + 1, window)]
-            per_token[str(b)][p] = dict(context=[PROMPT + i + window // 2 for i in range(0, len(tc) - window + 1, window)],
-                                        cached_ms=med(tc), uncached_ms=med(tu))
             print(f"{p:9s} batch {b}: cached {table[-1]['cached_tok_s']:.0f} tok/s, uncached {table[-1]['uncached_tok_s']:.0f} tok/s, "
                   f"last 32 / first 32 {table[-1]['last_over_first']:.2f}", flush=True)
     return table, per_token
 
 
-def main(batch_sizes=(1, 8), store=True):
-    threads = torch.get_num_threads()
-    hf = llama(batch_sizes)
-    table, per_token = per_method(batch_sizes)
+def config() -> dict:
+    return dict(n_vocab=N_VOCAB, d_model=D_MODEL, heads=HEADS, n_layers=LAYERS, prompt=PROMPT, new=NEW)
+
+
+def main(batch_sizes=(1, 8), store=True, threads=1):
+    "Both tables; `threads` intra-op threads for the whole run (1: a decode step is many small ops, which a shared machine's thread wake-ups would dominate)."
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        hf = llama(batch_sizes)
+        table, per_token = per_method(batch_sizes)
+    finally:
+        torch.set_num_threads(before)
     note = (f"torch {torch.__version__}, cpu, {threads} threads; float32, prompt {PROMPT}, {NEW} new tokens (greedy), "
-            f"d_model {D_MODEL}, {HEADS} heads, {LAYERS} layers, vocabulary {N_VOCAB}; one run per method, measured on a "
-            f"machine shared with other jobs")
+            f"d_model {D_MODEL}, {HEADS} heads, {LAYERS} layers, vocabulary {N_VOCAB}; tokens/s: one generate each; per-token "
+            f"times: steps interleaved, fastest of 3 rounds; measured on a machine shared with other jobs")
     result = dict(title=f"Time per generated token against the context: prompt {PROMPT}, {NEW} new tokens, d_model {D_MODEL}, "
                         f"{HEADS} heads, {LAYERS} layers (CPU, float32)",
-                  note=note, table=table, per_token=per_token, llama=hf)
+                  note=note, table=table, per_token=per_token, llama=hf, config=config())
     if store: OUT.write_text(json.dumps(result, indent=1))
     lines = ['**Generation: tokens/s per method, with the K/V cache and with the hidden-state memory (use_cache=False)**', '',
              '| method | batch | cached tok/s | uncached tok/s | cached / uncached | last 32 / first 32 (cached) |',

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['KVCache', 'CacheStep', 'supports_cache', 'full_logits']
 
-# %% ../nbs/09a_cache.ipynb #38ddaab2
+# %% ../nbs/09a_cache.ipynb #d7fa7bdd
 import math, weakref
 from typing import List, Optional, Tuple
 import torch
@@ -14,14 +14,14 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .mha import MultiHeadAttention
 from .relative_mha import RelativeMultiHeadAttention, XLRelativeMultiHeadAttention, sinusoid_positions
-from .rotary import RotaryMultiHeadAttention, rotary_angles, rotary_cos_sin, apply_rotary
+from .rotary import RotaryMultiHeadAttention, apply_rotary
 from .alibi import ALiBiMultiHeadAttention, alibi_slopes
 from .t5 import T5MultiHeadAttention
 from .fourier import FourierMultiHeadAttention
 from .shaw import RelationAwareMultiHeadAttention, masked_score
 from .models import DecoderLM, _check_int, _sample
 
-# %% ../nbs/09a_cache.ipynb #5ba45b05
+# %% ../nbs/09a_cache.ipynb #f7495ac3
 class KVCache:
     "Per layer the projected keys and values of the last `max_cache_len` tokens, `[batch, kv_heads, max_cache_len, head_dim]`, preallocated and written in place (a ring), with each slot's position id and whether it holds a token."
     def __init__(self,
@@ -31,9 +31,9 @@ class KVCache:
                  *, dtype:torch.dtype=torch.float32,
                  device=None,
                  owner:Optional[nn.Module]=None): # the model the cache belongs to (checked by its calls)
-        for name, x in (('batch_size', batch_size), ('max_cache_len', max_cache_len)):
-            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {x!r}")
+        for name, x, lo in (('batch_size', batch_size, 0), ('max_cache_len', max_cache_len, 1)):
+            if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {x!r}")
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         for i, a in enumerate(attentions):
@@ -74,7 +74,7 @@ class KVCache:
         return (f"KVCache(layers={self.n_layers}, batch_size={self.batch_size}, max_cache_len={self.max_cache_len}, "
                 f"filled={len(self)}, seen={self.seen}, dtype={self.dtype}, device={self.device})")
 
-# %% ../nbs/09a_cache.ipynb #8d478667
+# %% ../nbs/09a_cache.ipynb #33054eaf
 @patch
 def reset(self:KVCache, which:torch.Tensor): # bool `[batch]`: rows whose document ends (their next token starts a new one)
     "Mask out every cached token of the rows in `which`; their next token gets position id 0."
@@ -97,7 +97,7 @@ def clear(self:KVCache):
     self.seen, self.all_valid = 0, True
     self.tables = [None] * self.n_layers
 
-# %% ../nbs/09a_cache.ipynb #8493550e
+# %% ../nbs/09a_cache.ipynb #3adda2b6
 class CacheStep:
     "What one call of a cached model shares across its layers: where the new tokens go, their position ids, and the mask and distances of the keys they attend to."
     def __init__(self, cache:KVCache, n:int, q_pos:torch.Tensor, new_valid:Optional[torch.Tensor]):
@@ -175,7 +175,7 @@ class CacheStep:
         if self.new_valid is not None: m = m & self.new_valid[:, None, :]
         return m
 
-# %% ../nbs/09a_cache.ipynb #dc24f3ff
+# %% ../nbs/09a_cache.ipynb #bfc29967
 _CACHE_HOOKS = ('cache_shape', 'cache_project', 'cache_prefill', 'cache_attend', 'cache_position_term', 'cache_tables', 'cache_limit')
 _POSITION_HOOKS = ('forward', 'get_scores', 'position_bias', 'attention_fast', 'attention_reference', 'sdpa', 'rotate',
                    'position_tables', 'content_bias', 'relative_tables')
@@ -193,7 +193,7 @@ def supports_cache(module:nn.Module) -> bool:
     if cached is None or not hasattr(module, 'cached_attention'): return False
     return issubclass(cached, _definer(cls, _POSITION_HOOKS))
 
-# %% ../nbs/09a_cache.ipynb #7932e3d8
+# %% ../nbs/09a_cache.ipynb #741a3742
 @patch
 def cache_shape(self:MultiHeadAttention) -> Tuple[int, int, int]:
     "`(kv_heads, d_k, d_v)` of the cached keys and values: `kv_heads` wide when the layer has grouped-query heads."
@@ -237,7 +237,7 @@ def cache_attend(self:MultiHeadAttention, q, k, v, step:CacheStep, layer:int) ->
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
-# %% ../nbs/09a_cache.ipynb #bb1a64e5
+# %% ../nbs/09a_cache.ipynb #9a333a44
 @patch
 def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]`, the new tokens' (normalised) layer inputs
                      cache:KVCache, layer:int, step:CacheStep,
@@ -258,7 +258,7 @@ def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]
         vv = torch.cat([V[:, :, :f], v.transpose(1, 2)], 2)
         out = self.cache_attend(q.transpose(1, 2), kk, vv, step, layer).transpose(1, 2)
         _write(K, V, k, v, step)
-    return self.output(out.reshape(b, n, -1))
+    return self.output(out.flatten(2))
 
 def _write(K, V, k, v, step:CacheStep):
     "Keys and values of the last `step.m` new tokens (`[b, n, kv_heads, d]`) into their slots of `K`, `V` (`[b, kv_heads, L, d]`), in place."
@@ -267,7 +267,7 @@ def _write(K, V, k, v, step:CacheStep):
     if isinstance(w, slice): K[:, :, w] = k; V[:, :, w] = v
     else: K.index_copy_(2, w, k); V.index_copy_(2, w, v)
 
-# %% ../nbs/09a_cache.ipynb #4921493e
+# %% ../nbs/09a_cache.ipynb #4b43686d
 def _layer_tables(module, step:CacheStep, layer:int):
     "The layer's position tables over distances `-(L-1) .. 0` (`module.cache_tables`), made once per cache and again when a parameter changes."
     c = step.cache
@@ -282,7 +282,7 @@ def _gather_distance(table:torch.Tensor, step:CacheStep) -> torch.Tensor:
     idx = step.distance_index()                               # [b, 1, n, keys]
     return table[:, idx[:, 0]].transpose(0, 1)               # [h, b, n, keys] -> [b, h, n, keys]
 
-# %% ../nbs/09a_cache.ipynb #c3ad2681
+# %% ../nbs/09a_cache.ipynb #68d12304
 @patch
 def cache_project(self:RotaryMultiHeadAttention, x, step:CacheStep):
     "Project, then rotate the new queries and keys by their position ids: keys enter the cache rotated, once."
@@ -293,12 +293,10 @@ def cache_project(self:RotaryMultiHeadAttention, x, step:CacheStep):
 @patch
 def cache_cos_sin(self:RotaryMultiHeadAttention, step:CacheStep, dtype):
     "cos, sin `[b, n, 1, rotary_dim]` of the step's position ids, shared by the layers with the same rotation."
-    key = ('rotary', self.rotary_dim, self.base, self.interleaved, dtype)
+    key = ('rotary', self.rotary_dim, self.base, self.interleaved, repr(self.rope_scaling), self.max_position_embeddings, dtype)
     if key not in step.memo:
-        angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        b, n = step.q_pos.shape
-        angles = rotary_angles(step.q_pos.reshape(-1), self.rotary_dim, self.base, angle_dtype).view(b, n, 1, -1)
-        step.memo[key] = rotary_cos_sin(angles, self.interleaved, dtype=dtype)
+        cos, sin = self.cos_sin(step.q_pos, dtype)                      # the layer's own frequencies (rope_scaling), [n, b, 1, rd]
+        step.memo[key] = cos.transpose(0, 1), sin.transpose(0, 1)
     return step.memo[key]
 
 @patch
@@ -316,7 +314,7 @@ def cache_attend(self:RotaryMultiHeadAttention, q, k, v, step, layer):
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
-# %% ../nbs/09a_cache.ipynb #cd82b437
+# %% ../nbs/09a_cache.ipynb #de1eba94
 @patch
 def cache_tables(self:ALiBiMultiHeadAttention, L:int, dtype):
     "`[heads, L]`: $m_h d$ for $d = -(L-1) .. 0$, as `alibi_bias` computes it."
@@ -348,7 +346,7 @@ def cache_tables(self:FourierMultiHeadAttention, L:int, dtype):
 def cache_position_term(self:FourierMultiHeadAttention, q, step, layer):
     return q, _gather_distance(_layer_tables(self, step, layer), step)
 
-# %% ../nbs/09a_cache.ipynb #d6c13571
+# %% ../nbs/09a_cache.ipynb #99b48167
 @patch
 def cache_limit(self:RelativeMultiHeadAttention): return self.P, 'P'
 
@@ -380,7 +378,7 @@ def cache_prefill(self:(RelativeMultiHeadAttention, XLRelativeMultiHeadAttention
     self.check_lengths(q.shape[1], k.shape[1])
     return MultiHeadAttention.cache_prefill(self, q, k, v, mask)
 
-# %% ../nbs/09a_cache.ipynb #df318a5c
+# %% ../nbs/09a_cache.ipynb #7d293b34
 @patch
 def cache_shape(self:RelationAwareMultiHeadAttention): return self.num_heads, self.head_dim, self.head_dim
 
@@ -433,9 +431,9 @@ def cached_attention(self:RelationAwareMultiHeadAttention, x, cache, layer, step
         kk, vv = torch.cat([K[:, :, :f], k.transpose(1, 2)], 2), torch.cat([V[:, :, :f], v.transpose(1, 2)], 2)
         out = self.cache_attend(q.transpose(1, 2), kk, vv, step, layer).transpose(1, 2)
         _write(K, V, k, v, step)
-    return self.fc(out.reshape(b, n, -1))
+    return self.fc(out.flatten(2))
 
-# %% ../nbs/09a_cache.ipynb #35d43d27
+# %% ../nbs/09a_cache.ipynb #78b1d3f9
 @patch
 def new_cache(self:DecoderLM, batch_size:int,  # rows decoded side by side
               max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included
@@ -453,7 +451,7 @@ def supports_cache(self:DecoderLM) -> bool:
     "Whether every layer decodes with a `KVCache` (not the kNN layers, nor a custom builder's attention without a cached path)."
     return not self.memorizing_layers and all(supports_cache(getattr(l.self_attn, 'module', l.self_attn)) for l in self.layers)
 
-# %% ../nbs/09a_cache.ipynb #68604507
+# %% ../nbs/09a_cache.ipynb #5aa6d4f7
 @patch
 def _check_cache(self:DecoderLM, cache, batch:int):
     if not isinstance(cache, KVCache):
@@ -499,14 +497,14 @@ def _cache_positions(self:DecoderLM, cache:KVCache, n:int, attention_mask, posit
         if not bool(same.all()):
             raise ValueError(f"position_ids must continue the cache: its rows are at positions {start.tolist()}, so these tokens "
                              f"are at {q_pos.tolist()}, got {pid.tolist()}")
-    if self.pos_embed is not None:
+    if self.pos_embed is not None and q_pos.numel():
         top = int(q_pos.max())
         if top >= self.max_len:
             raise ValueError(f"tokens reach position {top}, but position='absolute' covers positions < max_len={self.max_len}; "
                              f"build DecoderLM(..., max_len={top + 1}) (or larger)")
     return q_pos, valid
 
-# %% ../nbs/09a_cache.ipynb #e19567bc
+# %% ../nbs/09a_cache.ipynb #34d67f00
 @patch
 def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:bool=False) -> torch.Tensor:
     "The layers over the new tokens with the cache (inputs checked): each layer projects only them and attends over its cache."
@@ -545,7 +543,7 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
     if doc_start is not None: cache.reset(doc_start)                  # last: a refused call changes nothing
     return self._cached_run(tokens, cache, q_pos, valid)
 
-# %% ../nbs/09a_cache.ipynb #4dfc5bc2
+# %% ../nbs/09a_cache.ipynb #91be9dff
 def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
                 attention_mask:Optional[torch.Tensor]=None,    # `[batch, n]`, 0: padding (never attended; positions count only tokens)
                 max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i
@@ -565,7 +563,7 @@ def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
     for layer in model.layers: x = layer(x, None, mask)
     return model.generator(model.norm(x))
 
-# %% ../nbs/09a_cache.ipynb #42fb0e06
+# %% ../nbs/09a_cache.ipynb #bac05367
 @patch
 def _generate_cached(self:DecoderLM, prompt, max_new_tokens:int, temperature, top_k, generator,
                      attention_mask, max_cache_len) -> torch.Tensor:
@@ -574,7 +572,7 @@ def _generate_cached(self:DecoderLM, prompt, max_new_tokens:int, temperature, to
     if max_cache_len is None: max_cache_len = max(1, n + max_new_tokens - 1)   # every key the last new token attends to
     cache = self.new_cache(b, max_cache_len)
     q_pos, valid = self._cache_positions(cache, n, attention_mask, None, None)
-    if self.pos_embed is not None and int(q_pos.max()) + max_new_tokens - 1 >= self.max_len:
+    if self.pos_embed is not None and q_pos.numel() and int(q_pos.max()) + max_new_tokens - 1 >= self.max_len:
         raise ValueError(f"prompt and max_new_tokens reach position {int(q_pos.max()) + max_new_tokens - 1}, but "
                          f"position='absolute' covers positions < max_len={self.max_len}")
     out = prompt.new_empty(b, n + max_new_tokens)

@@ -386,9 +386,19 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
 @patch
 def forward(self:DecoderLM, tokens:torch.Tensor,      # token ids `[batch, seq_len]`
             memory:Optional[List[torch.Tensor]]=None, # the memory returned by the previous call (None or []: none)
-            doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first, their XL memory is not attended)
-           ) -> Tuple[torch.Tensor, List[torch.Tensor]]: # logits `[batch, seq_len, n_vocab]`, next memory (`[]` if `mem_len=0`)
-    "Logits for `tokens` after `memory`, and the next memory: each layer's inputs on the last `mem_len` positions, detached."
+            doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first, their XL memory is not attended, their K/V cache is reset)
+            *, cache=None,                            # a `relpos.cache.KVCache` from `new_cache`: decode incrementally (instead of `memory`)
+            attention_mask:Optional[torch.Tensor]=None, # with `cache`: `[batch, seq_len]`, 0 where a token is padding (left-padded prompts)
+            position_ids:Optional[torch.Tensor]=None,   # with `cache`: `[batch, seq_len]` or `[seq_len]`, must continue the cache's positions
+           ) -> Tuple[torch.Tensor, list]:           # logits `[batch, seq_len, n_vocab]`, next memory (`[]` if `mem_len=0`), or the cache
+    "Logits for `tokens` after `memory`, and the next memory: each layer's inputs on the last `mem_len` positions, detached. With `cache=`, logits after everything in the cache, and the cache (updated in place)."
+    if cache is not None:
+        if memory is not None and not (isinstance(memory, (list, tuple)) and len(memory) == 0):
+            raise ValueError("pass either memory (hidden states, Transformer-XL) or cache (keys and values), not both")
+        return self.forward_cached(tokens, cache, attention_mask, position_ids, doc_start), cache
+    if attention_mask is not None or position_ids is not None:
+        raise ValueError("attention_mask and position_ids are taken with cache=model.new_cache(batch, max_cache_len) "
+                         "(relpos.cache.full_logits runs the whole sequence with a padding mask)")
     self._check_tokens(tokens)
     if isinstance(memory, (list, tuple)) and len(memory) == 0: memory = None   # what mem_len=0 returns
     m = 0
@@ -421,8 +431,11 @@ def generate(self:DecoderLM, prompt:torch.Tensor, # token ids `[batch, seq_len]`
              top_k:Optional[int]=None,      # sample among the `top_k` most likely tokens only
              generator:Optional[torch.Generator]=None, # random numbers for the sampling
              doc_start:Optional[torch.Tensor]=None, # bool `[batch]`: rows whose document starts with the prompt (kNN memories emptied first; generate starts with no XL memory)
+             use_cache:bool=True,           # keys and values in a `relpos.cache.KVCache`; False (or kNN layers, or a builder without a cached path): every layer's inputs
+             attention_mask:Optional[torch.Tensor]=None, # `[batch, seq_len]`, 0 where the prompt is padding (left padding: rows of different lengths); needs the cache
+             max_cache_len:Optional[int]=None, # tokens a new token attends to, itself included (sliding window); None: all of them. Needs the cache
             ) -> torch.Tensor:              # `[batch, seq_len + max_new_tokens]`
-    "Sample continuations; each layer's earlier inputs are cached, so a new token costs one position, not the whole prefix."
+    "Sample continuations: the prompt in one pass, then one position per new token, reading the earlier ones from a cache."
     self._check_tokens(prompt, 'prompt')
     if prompt.shape[1] == 0: raise ValueError("prompt must hold at least one token per row, got seq_len 0")
     _check_int(max_new_tokens, 'max_new_tokens', 0)
@@ -431,13 +444,23 @@ def generate(self:DecoderLM, prompt:torch.Tensor, # token ids `[batch, seq_len]`
     if top_k is not None:
         _check_int(top_k, 'top_k', 1)
         if top_k > self.n_vocab: raise ValueError(f"top_k must be <= n_vocab={self.n_vocab}, got {top_k}")
-    self._check_length(prompt.shape[1] + max_new_tokens - 1, 'prompt seq_len + max_new_tokens - 1')
+    if not isinstance(use_cache, bool): raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__} {use_cache!r}")
+    use_cache = use_cache and self.supports_cache()
+    if not use_cache and (attention_mask is not None or max_cache_len is not None):
+        raise ValueError("attention_mask and max_cache_len need the K/V cache (use_cache=True, a model without kNN layers "
+                         "whose every layer has a cached path)")
+    if max_cache_len is not None: _check_int(max_cache_len, 'max_cache_len', 1)
+    if max_cache_len is None or self.pos_embed is not None:
+        self._check_length(prompt.shape[1] + max_new_tokens - 1, 'prompt seq_len + max_new_tokens - 1')
+    else: self._check_length(prompt.shape[1], 'prompt seq_len (attended in one pass)')   # the window bounds the rest
     with torch.no_grad():   # sampling builds no autograd graph
         if max_new_tokens == 0: return prompt
         self._knn_start(prompt.shape[0], doc_start)   # kNN layers: the prompt continues the documents in their memories
         was_training = self.training
         self.eval()
         try:
+            if use_cache:
+                return self._generate_cached(prompt, max_new_tokens, temperature, top_k, generator, attention_mask, max_cache_len)
             out = [prompt]
             logits, cache = self._run(prompt, None, None)   # cache: every earlier layer input, kept whole
             for step in range(max_new_tokens):
@@ -470,3 +493,8 @@ def labml_xl_state_dict(state_dict:dict, # a labml_nn Transformer-XL `Autoregres
         elif key.startswith('transformer.norm.'): key = 'norm.' + key[len('transformer.norm.'):]
         out[key] = value
     return out
+
+# %% ../nbs/09_models.ipynb #abfa930b
+# DecoderLM's cached decoding (new_cache, forward_cached, generate's K/V cache) is chapter 9a's, relpos.cache,
+# which imports this module: imported last, so that either import order finds DecoderLM defined
+from . import cache as _cache

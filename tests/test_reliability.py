@@ -413,6 +413,48 @@ for name, kw, names in [
     case(*LM, name)(lambda mod, kw=kw, names=names: raises(lambda: _lm(mod, **kw), *names))
 
 
+def _lm_cache(m, b=2, n=3, length=6):
+    "A K/V cache of `m` holding `n` tokens per row."
+    c = m.new_cache(b, length)
+    with torch.no_grad(): m(_lm_tokens(b=b, n=n), cache=c)
+    return c
+
+
+for name, fn, names in [
+    ("cache: from another batch size", lambda m: m(_lm_tokens(b=3, n=1), cache=_lm_cache(m)), ("batch", "cache")),
+    ("cache: from another model", lambda m: m(_lm_tokens(n=1), cache=_lm_cache(_lm(importlib.import_module("relpos.models")))), ("cache",)),
+    ("cache: wrong dtype", lambda m: (lambda c: m.double()(_lm_tokens(n=1), cache=c))(_lm_cache(m)), ("dtype", "cache")),
+    ("cache: not a KVCache", lambda m: m(_lm_tokens(n=1), cache=[]), ("cache", "KVCache")),
+    ("cache and memory together", lambda m: m(_lm_tokens(n=1), _lm_mem(m), cache=_lm_cache(m)), ("memory", "cache")),
+    ("cache: position_ids that do not continue it", lambda m: m(_lm_tokens(n=1), cache=_lm_cache(m), position_ids=torch.tensor([0])), ("position_ids",)),
+    ("cache: attention_mask of another shape", lambda m: m(_lm_tokens(n=2), cache=_lm_cache(m), attention_mask=torch.ones(2, 3, dtype=torch.long)), ("attention_mask",)),
+    ("cache: float attention_mask", lambda m: m(_lm_tokens(n=2), cache=_lm_cache(m), attention_mask=torch.ones(2, 2)), ("attention_mask",)),
+    ("attention_mask without cache", lambda m: m(_lm_tokens(), attention_mask=torch.ones(2, 5, dtype=torch.long)), ("attention_mask",)),
+    ("new_cache: max_cache_len 0", lambda m: m.new_cache(1, 0), ("max_cache_len",)),
+    ("new_cache: float batch_size", lambda m: m.new_cache(1.0, 4), ("batch_size",)),
+    ("new_cache: xl window longer than P", lambda m: m.new_cache(1, 53), ("max_cache_len", "P")),   # P = 8 * 6 + 4 = 52
+    ("cache.reset: wrong shape", lambda m: _lm_cache(m).reset(torch.ones(3, dtype=torch.bool)), ("which",)),
+    ("generate: max_cache_len 0", lambda m: m.generate(_lm_tokens(), 2, max_cache_len=0), ("max_cache_len",)),
+    ("generate: attention_mask with use_cache=False", lambda m: m.generate(_lm_tokens(), 2, use_cache=False, attention_mask=torch.ones(2, 5)), ("attention_mask",)),
+    ("generate: use_cache not a bool", lambda m: m.generate(_lm_tokens(), 2, use_cache="yes"), ("use_cache",)),
+]:
+    case(*LM, name)(lambda mod, fn=fn, names=names: raises(lambda: fn(_lm(mod)), *names))
+
+
+@case(*LM, "cache: a refused call leaves it unchanged; cached == full model")
+def _(mod):
+    m = _lm(mod)
+    c = _lm_cache(m, n=3)
+    before = [t.clone() for t in (*c.keys, *c.values, c.positions, c.valid, c.next_position)] + [c.seen]
+    raises(lambda: m(_lm_tokens(n=1), cache=c, position_ids=torch.tensor([7])), "position_ids")
+    after = [t.clone() for t in (*c.keys, *c.values, c.positions, c.valid, c.next_position)] + [c.seen]
+    if not all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, after)):
+        raise Fail("a refused call changed the cache")
+    seq = torch.cat([_lm_tokens(n=3), _lm_tokens(n=2, seed=2)], 1)
+    with torch.no_grad(): close(m(seq[:, 3:], cache=c)[0], m(seq)[0][:, 3:], 1e-5, "cached vs full")
+    return "ok (unchanged; == full model)"
+
+
 @case(*LM, "absolute: beyond its table, and memory")
 def _(mod):
     m = _lm(mod, position="absolute", mem_len=0)
