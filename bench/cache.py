@@ -99,7 +99,7 @@ def llama(batch_sizes=(1, 8), rounds=3):
     return out
 
 
-def per_method(batch_sizes=(1, 8), positions=POSITIONS, contexts=(128, 192, 256, 320, 382), steps=8, rounds=3):
+def per_method(batch_sizes=(1, 8), positions=POSITIONS, contexts=(128, 192, 256, 320, 376), steps=8, rounds=3):
     """Per method and batch: tokens/s of `generate` cached and uncached; the time of a token at each context of `contexts`
     (median of `steps` steps, each the fastest of `rounds` rounds, contexts interleaved); and the first and last 32 tokens
     of the benchmark's generation (contexts 128..159 and 351..382), timed the same way against each other."""

@@ -480,6 +480,11 @@ def _sample(logits, temperature, top_k, generator):
         logits = logits.masked_fill(logits < kth, float('-inf'))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)
 
+# %% ../nbs/09_models.ipynb #abfa930b
+# DecoderLM's cached decoding (new_cache, forward_cached, generate's K/V cache) is chapter 9a's, relpos.cache,
+# which imports this module: imported last, so that either import order finds DecoderLM defined
+from . import cache as _cache
+
 # %% ../nbs/09_models.ipynb #612e405e
 def labml_xl_state_dict(state_dict:dict, # a labml_nn Transformer-XL `AutoregressiveModel` (or `TransformerXLModel`) state_dict
                        ) -> dict:        # the same tensors under `DecoderLM(position='xl', P=4096)`'s keys
@@ -493,8 +498,3 @@ def labml_xl_state_dict(state_dict:dict, # a labml_nn Transformer-XL `Autoregres
         elif key.startswith('transformer.norm.'): key = 'norm.' + key[len('transformer.norm.'):]
         out[key] = value
     return out
-
-# %% ../nbs/09_models.ipynb #abfa930b
-# DecoderLM's cached decoding (new_cache, forward_cached, generate's K/V cache) is chapter 9a's, relpos.cache,
-# which imports this module: imported last, so that either import order finds DecoderLM defined
-from . import cache as _cache
