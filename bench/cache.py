@@ -99,22 +99,25 @@ def llama(batch_sizes=(1, 8), rounds=3):
     return out
 
 
-def per_method(batch_sizes=(1, 8), positions=POSITIONS, contexts=(128, 192, 256, 320, 376), steps=8, rounds=3):
-    """Per method and batch: tokens/s of `generate` cached and uncached; the time of a token at each context of `contexts`
-    (median of `steps` steps, each the fastest of `rounds` rounds, contexts interleaved); and the first and last 32 tokens
-    of the benchmark's generation (contexts 128..159 and 351..382), timed the same way against each other."""
+def per_method(batch_sizes=(1, 8), positions=POSITIONS, contexts=(128, 192, 256, 320, 376), steps=8, rounds=5,
+               uncached_rounds=2):
+    """Per method and batch: tokens/s of `generate` cached (fastest of 2) and uncached (one run); the time of a token at each
+    context of `contexts` (median of `steps` steps, each the fastest of `rounds` rounds -- `uncached_rounds` without the
+    cache --, contexts interleaved); and the first and last 32 tokens of the benchmark's generation (contexts 128..159 and
+    351..382), timed the same way against each other."""
     table, per_token = [], {str(b): {} for b in batch_sizes}
     for b in batch_sizes:
         long = torch.randint(0, N_VOCAB, (b, PROMPT + NEW), generator=torch.Generator().manual_seed(2))
         for p in positions:
             lm = make(p)
             Decoder(lm, long[:, :16], True).step()                       # warm-up
-            total_c, total_u = generate_seconds(lm, long[:, :PROMPT], True), generate_seconds(lm, long[:, :PROMPT], False)
+            total_c = min(generate_seconds(lm, long[:, :PROMPT], True) for _ in range(2))
+            total_u = generate_seconds(lm, long[:, :PROMPT], False)
             first, last = interleaved_steps(lm, [long[:, :PROMPT], long[:, :PROMPT + NEW - 32 - 1]], True, 32, rounds)
             f32, l32 = statistics.median(first), statistics.median(last)
             curve = {}
             for use_cache in (True, False):
-                ts = interleaved_steps(lm, [long[:, :c] for c in contexts], use_cache, steps, rounds)
+                ts = interleaved_steps(lm, [long[:, :c] for c in contexts], use_cache, steps, rounds if use_cache else uncached_rounds)
                 curve['cached_ms' if use_cache else 'uncached_ms'] = [1e3 * statistics.median(t) for t in ts]
             per_token[str(b)][p] = dict(context=list(contexts), **curve)
             table.append(dict(position=p, batch=b, cached_tok_s=b * NEW / total_c, uncached_tok_s=b * NEW / total_u,
@@ -138,8 +141,9 @@ def main(batch_sizes=(1, 8), store=True, threads=1):
     finally:
         torch.set_num_threads(before)
     note = (f"torch {torch.__version__}, cpu, {threads} threads; float32, prompt {PROMPT}, {NEW} new tokens (greedy), "
-            f"d_model {D_MODEL}, {HEADS} heads, {LAYERS} layers, vocabulary {N_VOCAB}; tokens/s: one generate each; per-token "
-            f"times: steps interleaved, fastest of 3 rounds; measured on a machine shared with other jobs")
+            f"d_model {D_MODEL}, {HEADS} heads, {LAYERS} layers, vocabulary {N_VOCAB}; tokens/s: generate, cached fastest of 2, "
+            f"uncached one run; per-token times: steps interleaved, each the fastest of 5 rounds (uncached: 2); measured on a "
+            f"machine shared with other jobs")
     result = dict(title=f"Time per generated token against the context: prompt {PROMPT}, {NEW} new tokens, d_model {D_MODEL}, "
                         f"{HEADS} heads, {LAYERS} layers (CPU, float32)",
                   note=note, table=table, per_token=per_token, llama=hf, config=config())

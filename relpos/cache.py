@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['KVCache', 'CacheStep', 'supports_cache', 'full_logits']
 
-# %% ../nbs/09a_cache.ipynb #d7fa7bdd
+# %% ../nbs/09a_cache.ipynb #a8b85230
 import math, weakref
 from typing import List, Optional, Tuple
 import torch
@@ -21,7 +21,7 @@ from .fourier import FourierMultiHeadAttention
 from .shaw import RelationAwareMultiHeadAttention, masked_score
 from .models import DecoderLM, _check_int, _sample
 
-# %% ../nbs/09a_cache.ipynb #f7495ac3
+# %% ../nbs/09a_cache.ipynb #feff4cd6
 class KVCache:
     "Per layer the projected keys and values of the last `max_cache_len` tokens, `[batch, kv_heads, max_cache_len, head_dim]`, preallocated and written in place (a ring), with each slot's position id and whether it holds a token."
     def __init__(self,
@@ -74,7 +74,7 @@ class KVCache:
         return (f"KVCache(layers={self.n_layers}, batch_size={self.batch_size}, max_cache_len={self.max_cache_len}, "
                 f"filled={len(self)}, seen={self.seen}, dtype={self.dtype}, device={self.device})")
 
-# %% ../nbs/09a_cache.ipynb #33054eaf
+# %% ../nbs/09a_cache.ipynb #c7e020c5
 @patch
 def reset(self:KVCache, which:torch.Tensor): # bool `[batch]`: rows whose document ends (their next token starts a new one)
     "Mask out every cached token of the rows in `which`; their next token gets position id 0."
@@ -97,7 +97,7 @@ def clear(self:KVCache):
     self.seen, self.all_valid = 0, True
     self.tables = [None] * self.n_layers
 
-# %% ../nbs/09a_cache.ipynb #3adda2b6
+# %% ../nbs/09a_cache.ipynb #cf492a29
 class CacheStep:
     "What one call of a cached model shares across its layers: where the new tokens go, their position ids, and the mask and distances of the keys they attend to."
     def __init__(self, cache:KVCache, n:int, q_pos:torch.Tensor, new_valid:Optional[torch.Tensor]):
@@ -175,7 +175,7 @@ class CacheStep:
         if self.new_valid is not None: m = m & self.new_valid[:, None, :]
         return m
 
-# %% ../nbs/09a_cache.ipynb #bfc29967
+# %% ../nbs/09a_cache.ipynb #1105bcb1
 _CACHE_HOOKS = ('cache_shape', 'cache_project', 'cache_prefill', 'cache_attend', 'cache_position_term', 'cache_tables', 'cache_limit')
 _POSITION_HOOKS = ('forward', 'get_scores', 'position_bias', 'attention_fast', 'attention_reference', 'sdpa', 'rotate',
                    'position_tables', 'content_bias', 'relative_tables')
@@ -193,7 +193,7 @@ def supports_cache(module:nn.Module) -> bool:
     if cached is None or not hasattr(module, 'cached_attention'): return False
     return issubclass(cached, _definer(cls, _POSITION_HOOKS))
 
-# %% ../nbs/09a_cache.ipynb #741a3742
+# %% ../nbs/09a_cache.ipynb #27ace5e9
 @patch
 def cache_shape(self:MultiHeadAttention) -> Tuple[int, int, int]:
     "`(kv_heads, d_k, d_v)` of the cached keys and values: `kv_heads` wide when the layer has grouped-query heads."
@@ -237,7 +237,7 @@ def cache_attend(self:MultiHeadAttention, q, k, v, step:CacheStep, layer:int) ->
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
-# %% ../nbs/09a_cache.ipynb #9a333a44
+# %% ../nbs/09a_cache.ipynb #b7aa1e0f
 @patch
 def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]`, the new tokens' (normalised) layer inputs
                      cache:KVCache, layer:int, step:CacheStep,
@@ -267,7 +267,7 @@ def _write(K, V, k, v, step:CacheStep):
     if isinstance(w, slice): K[:, :, w] = k; V[:, :, w] = v
     else: K.index_copy_(2, w, k); V.index_copy_(2, w, v)
 
-# %% ../nbs/09a_cache.ipynb #4b43686d
+# %% ../nbs/09a_cache.ipynb #ad3306ef
 def _layer_tables(module, step:CacheStep, layer:int):
     "The layer's position tables over distances `-(L-1) .. 0` (`module.cache_tables`), made once per cache and again when a parameter changes."
     c = step.cache
@@ -282,7 +282,7 @@ def _gather_distance(table:torch.Tensor, step:CacheStep) -> torch.Tensor:
     idx = step.distance_index()                               # [b, 1, n, keys]
     return table[:, idx[:, 0]].transpose(0, 1)               # [h, b, n, keys] -> [b, h, n, keys]
 
-# %% ../nbs/09a_cache.ipynb #68d12304
+# %% ../nbs/09a_cache.ipynb #ad0739d7
 @patch
 def cache_project(self:RotaryMultiHeadAttention, x, step:CacheStep):
     "Project, then rotate the new queries and keys by their position ids: keys enter the cache rotated, once."
@@ -314,7 +314,7 @@ def cache_attend(self:RotaryMultiHeadAttention, q, k, v, step, layer):
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
-# %% ../nbs/09a_cache.ipynb #de1eba94
+# %% ../nbs/09a_cache.ipynb #1a3ddaa4
 @patch
 def cache_tables(self:ALiBiMultiHeadAttention, L:int, dtype):
     "`[heads, L]`: $m_h d$ for $d = -(L-1) .. 0$, as `alibi_bias` computes it."
@@ -346,7 +346,7 @@ def cache_tables(self:FourierMultiHeadAttention, L:int, dtype):
 def cache_position_term(self:FourierMultiHeadAttention, q, step, layer):
     return q, _gather_distance(_layer_tables(self, step, layer), step)
 
-# %% ../nbs/09a_cache.ipynb #99b48167
+# %% ../nbs/09a_cache.ipynb #5c39a42a
 @patch
 def cache_limit(self:RelativeMultiHeadAttention): return self.P, 'P'
 
@@ -378,7 +378,7 @@ def cache_prefill(self:(RelativeMultiHeadAttention, XLRelativeMultiHeadAttention
     self.check_lengths(q.shape[1], k.shape[1])
     return MultiHeadAttention.cache_prefill(self, q, k, v, mask)
 
-# %% ../nbs/09a_cache.ipynb #7d293b34
+# %% ../nbs/09a_cache.ipynb #d4ef921f
 @patch
 def cache_shape(self:RelationAwareMultiHeadAttention): return self.num_heads, self.head_dim, self.head_dim
 
@@ -433,7 +433,7 @@ def cached_attention(self:RelationAwareMultiHeadAttention, x, cache, layer, step
         _write(K, V, k, v, step)
     return self.fc(out.flatten(2))
 
-# %% ../nbs/09a_cache.ipynb #78b1d3f9
+# %% ../nbs/09a_cache.ipynb #48cdc73e
 @patch
 def new_cache(self:DecoderLM, batch_size:int,  # rows decoded side by side
               max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included
@@ -451,7 +451,7 @@ def supports_cache(self:DecoderLM) -> bool:
     "Whether every layer decodes with a `KVCache` (not the kNN layers, nor a custom builder's attention without a cached path)."
     return not self.memorizing_layers and all(supports_cache(getattr(l.self_attn, 'module', l.self_attn)) for l in self.layers)
 
-# %% ../nbs/09a_cache.ipynb #5aa6d4f7
+# %% ../nbs/09a_cache.ipynb #c4037b55
 @patch
 def _check_cache(self:DecoderLM, cache, batch:int):
     if not isinstance(cache, KVCache):
@@ -504,7 +504,7 @@ def _cache_positions(self:DecoderLM, cache:KVCache, n:int, attention_mask, posit
                              f"build DecoderLM(..., max_len={top + 1}) (or larger)")
     return q_pos, valid
 
-# %% ../nbs/09a_cache.ipynb #34d67f00
+# %% ../nbs/09a_cache.ipynb #463e555a
 @patch
 def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:bool=False) -> torch.Tensor:
     "The layers over the new tokens with the cache (inputs checked): each layer projects only them and attends over its cache."
@@ -543,7 +543,7 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
     if doc_start is not None: cache.reset(doc_start)                  # last: a refused call changes nothing
     return self._cached_run(tokens, cache, q_pos, valid)
 
-# %% ../nbs/09a_cache.ipynb #91be9dff
+# %% ../nbs/09a_cache.ipynb #70ef5aac
 def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
                 attention_mask:Optional[torch.Tensor]=None,    # `[batch, n]`, 0: padding (never attended; positions count only tokens)
                 max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i
@@ -563,7 +563,7 @@ def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
     for layer in model.layers: x = layer(x, None, mask)
     return model.generator(model.norm(x))
 
-# %% ../nbs/09a_cache.ipynb #bac05367
+# %% ../nbs/09a_cache.ipynb #66188cab
 @patch
 def _generate_cached(self:DecoderLM, prompt, max_new_tokens:int, temperature, top_k, generator,
                      attention_mask, max_cache_len) -> torch.Tensor:

@@ -274,3 +274,18 @@ def test_models_without_a_cached_path():
                        position=lambda d, h, p, ml, mem: SequenceFirstAttention(Shifted(h, d, p)))
     assert not custom.supports_cache()
     with pytest.raises(ValueError, match='no cached path'): custom.new_cache(1, 4)
+
+
+def test_bench_decoder_runs_generate_loops():
+    "bench/cache.py's step-by-step loops decode what generate decodes (a smoke test of the benchmark, no timing asserted)."
+    import bench.cache as bc
+    lm = small('rotary').float()
+    prompt = tokens(2, 4, 1)
+    for use_cache in (True, False):
+        d = bc.Decoder(lm, prompt, use_cache, max_cache_len=12)
+        got = [d.logits.argmax(-1)]
+        for _ in range(5):
+            d.step(); got.append(d.logits.argmax(-1))
+        assert torch.equal(torch.stack(got, 1), lm.generate(prompt, 6, temperature=0, use_cache=use_cache)[:, 4:])
+    times = bc.interleaved_steps(lm, [prompt, tokens(2, 7, 2)], True, steps=3, rounds=2)
+    assert len(times) == 2 and all(len(t) == 3 and min(t) > 0 for t in times)
