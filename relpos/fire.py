@@ -119,8 +119,8 @@ def _fire_block(i0, i1, kend, offset, causal, eps, params, dtype):
     breaks, slope, intercept = fire_segments(w1, b1, w2, b2)
     piece = torch.bucketize(x.detach(), breaks).view(-1)                                       # the MLP's piece of each x
     heads = w2.shape[0]
-    bias = (slope.index_select(1, piece).view(heads, *x.shape) * x
-            + intercept.index_select(1, piece).view(heads, *x.shape)).to(dtype)               # [heads, rows, kend]
+    bias = torch.addcmul(intercept.index_select(1, piece).view(heads, *x.shape),
+                         slope.index_select(1, piece).view(heads, *x.shape), x).to(dtype)     # [heads, rows, kend]
     lo = i0 + offset + 1                    # the first key that some row of the block must not see
     if causal and kend > lo:                # -inf right of each row's position: only the block's last columns
         hide = torch.arange(lo, kend, device=x.device)[None, :] > pos_q.long()[:, None]
@@ -153,7 +153,7 @@ class _FireAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, causal, offset, eps, *params):
         batch, heads, nq, _ = q.shape
         nk = k.shape[-2]
-        rows = _fire_rows(1, heads, nk)    # the forward keeps only the block's bias, not its scores
+        rows = _fire_rows(2, heads, nk)    # the forward holds the block's bias and its pieces, not its scores
         outs, lses = [], []
         for i0 in range(0, nq, rows):
             i1 = min(i0 + rows, nq)

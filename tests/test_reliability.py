@@ -76,6 +76,7 @@ ATTN = {
     ("relative_mha", "XLRelativeMultiHeadAttention"): lambda mod: mod.XLRelativeMultiHeadAttention(H, D, dropout_prob=0.0),
     ("rotary", "RotaryMultiHeadAttention"): lambda mod: mod.RotaryMultiHeadAttention(H, D, dropout_prob=0.0),
     ("alibi", "ALiBiMultiHeadAttention"): lambda mod: mod.ALiBiMultiHeadAttention(H, D, dropout_prob=0.0),
+    ("fire", "FireMultiHeadAttention"): lambda mod: mod.FireMultiHeadAttention(H, D, dropout_prob=0.0, init_L=3.5),
 }
 
 
@@ -841,6 +842,65 @@ def _(mod):
 def _(mod): return raises(lambda: mod.T5MultiHeadAttention(0, 8), "heads")
 
 
+# ================================================================ relpos.fire
+FIRE_ = ("fire", "FireBias")
+
+
+@case(*FIRE_, "heads 0")
+def _(mod): return raises(lambda: mod.FireBias(0), "heads")
+
+
+@case(*FIRE_, "mlp_width float")
+def _(mod): return raises(lambda: mod.FireBias(2, mlp_width=2.5), "mlp_width")
+
+
+@case(*FIRE_, "init_L 0")
+def _(mod): return raises(lambda: mod.FireBias(2, init_L=0.0), "init_L")
+
+
+@case(*FIRE_, "init_c nan")
+def _(mod): return raises(lambda: mod.FireBias(2, init_c=float("nan")), "init_c")
+
+
+@case(*FIRE_, "init_c string")
+def _(mod): return raises(lambda: mod.FireBias(2, init_c="0.1"), "init_c")
+
+
+@case(*FIRE_, "eps negative")
+def _(mod): return raises(lambda: mod.FireBias(2, eps=-1.0), "eps")
+
+
+@case(*FIRE_, "more queries than keys")
+def _(mod): return raises(lambda: mod.FireBias(2)(5, 3), "seq_len_k", "offset")
+
+
+@case(*FIRE_, "negative offset")
+def _(mod): return raises(lambda: mod.FireBias(2)(3, 5, offset=-1), "offset")
+
+
+@case(*FIRE_, "zero queries / keys")
+def _(mod):
+    r = mod.FireBias(2)
+    for nq, nk in ((0, 4), (0, 0)):
+        if r(nq, nk).shape != (1, 2, nq, nk): raise Fail("shape")
+    return "ok (empty)"
+
+
+@case("fire", "FireMultiHeadAttention", "queries far beyond the threshold, with memory")
+def _(mod):
+    m = _randomize(ATTN[("fire", "FireMultiHeadAttention")](mod))
+    q, kv = _qkv(sq=20, sk=60)        # threshold L = 3.5 (times the randomised multiplier)
+    causal = torch.ones(20, 60, dtype=torch.bool).tril(40)[..., None]
+    finite(_both(m, q, kv)); finite(_both(m, q, kv, mask=causal))
+    return "ok (== readable)"
+
+
+@case("fire", "fire_attention", "more queries than keys")
+def _(mod):
+    q = torch.randn(1, 2, 5, 4)
+    return raises(lambda: mod.fire_attention(q, q[:, :, :3], q[:, :, :3], mod.FireBias(2), 0.5), "seq_q", "seq_k")
+
+
 # ================================================================ relpos.context_choice (batch-first)
 E = 8
 
@@ -1075,6 +1135,8 @@ MODULES = {
                                       "labml"),
     "alibi.ALiBiMultiHeadAttention(bidirectional)": ("alibi", "ALiBiMultiHeadAttention",
                                                      dict(heads=H, d_model=D, dropout_prob=0.0, bidirectional=True), "labml"),
+    "fire.FireMultiHeadAttention": ("fire", "FireMultiHeadAttention", dict(heads=H, d_model=D, dropout_prob=0.0, init_L=3.5),
+                                    "labml"),
     "relative_mha.TransformerXLModel": ("relative_mha", "TransformerXLModel",
                                         dict(n_vocab=VOCAB, d_model=D, heads=H, d_ff=16, n_layers=2, mem_len=4,
                                              max_seq_len=6), "tokens"),
@@ -1237,7 +1299,12 @@ def test_fast_path_equals_readable_path(name, sq, mem, b, p, seed):
         torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", LABML)
+# FIRE normalises each distance by the query's own position (its bias is not a function of the distance alone), so
+# removing the oldest keys moves the queries and changes the bias, by design
+SHIFT_INVARIANT = [n for n in LABML if n != "fire.FireMultiHeadAttention"]
+
+
+@pytest.mark.parametrize("name", SHIFT_INVARIANT)
 @settings(max_examples=15, deadline=None)
 @given(sq=st.integers(1, 5), mem=st.integers(1, 4), drop=st.integers(1, 4), seed=st.integers(0, 1000))
 def test_masking_the_oldest_keys_equals_removing_them(name, sq, mem, drop, seed):
