@@ -11,7 +11,7 @@ import math
 from typing import Optional
 import torch
 from torch import nn
-from .mha import MultiHeadAttention, is_causal_mask
+from .mha import MultiHeadAttention, is_causal_mask, expand_kv, check_position_ids
 from .fourier import _as_int, sdpa_bias
 from .bias import toeplitz, toeplitz_attention, _toeplitz_heads, _toeplitz_attention_reference
 _all_ = ['toeplitz', 'toeplitz_attention']   # chapter 3b's Toeplitz kernel, importable from relpos.t5 too
@@ -115,6 +115,17 @@ class T5RelativeBias(nn.Module):
         buckets = self.bucket(key_position - query_position)            # [seq_q, seq_k]
         return self.relative_attention_bias(buckets).permute(2, 0, 1)[None]  # [1, heads, seq_q, seq_k]
 
+    def from_positions(self,
+                       position_ids:torch.Tensor,  # int `[batch or 1, seq_len_k]` (or `[seq_len_k]`): the keys' positions
+                       seq_len_q:int,              # queries: the last seq_len_q keys
+                      ) -> torch.Tensor:           # `[batch or 1, heads, seq_q, seq_k]`
+        "The bias for distances $p_j - p_i$ between position ids (packed documents, padding gaps): one lookup per (query, key) pair."
+        p = check_position_ids(position_ids, position_ids.shape[-1],
+                               position_ids.shape[0] if position_ids.dim() == 2 else 1, seq_len_q=seq_len_q)
+        sk = p.shape[1]
+        buckets = self.bucket(p[:, None, :] - p[:, sk - seq_len_q:, None])     # [b|1, sq, sk]
+        return self.relative_attention_bias(buckets).permute(0, 3, 1, 2)      # [b|1, heads, sq, sk]
+
     def distance_bias(self, seq_len_q:int, seq_len_k:int, offset:Optional[int]=None) -> torch.Tensor:
         "The bias's `seq_q + seq_k - 1` distinct values per head, `[heads, seq_q + seq_k - 1]`; column m is distance `m - (offset + seq_q - 1)`."
         seq_len_q, seq_len_k, offset = self._offset(seq_len_q, seq_len_k, offset)
@@ -130,6 +141,7 @@ class T5RelativeBias(nn.Module):
 # %% ../nbs/08_t5.ipynb #t50029
 class T5MultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) whose scaled scores get T5's learned bucket bias."
+    accepts_position_ids = True
     def __init__(self,
                  heads:int,                  # number of heads (one column of the bucket table each)
                  d_model:int,                # features of query, key, value
@@ -138,34 +150,49 @@ class T5MultiHeadAttention(MultiHeadAttention):
                  num_buckets:int=32,         # rows of the bucket table
                  max_distance:int=128,       # distances from here on share a bucket (not a length limit)
                  bidirectional:bool=False,   # False: decoder buckets (keys after the query share bucket 0); True: encoder
-                 need_weights:bool=False):   # keep `self.attn` (readable path)
-        super().__init__(heads, d_model, dropout_prob=dropout_prob, bias=bias, need_weights=need_weights)
+                 need_weights:bool=False,    # keep `self.attn` (readable path)
+                 *,
+                 kv_heads:Optional[int]=None, # key/value heads (grouped-query attention); None: heads
+                 head_dim:Optional[int]=None): # features per head (T5's d_kv); None: d_model // heads
+        super().__init__(heads, d_model, dropout_prob=dropout_prob, bias=bias, need_weights=need_weights,
+                         kv_heads=kv_heads, head_dim=head_dim)
         self.positions = T5RelativeBias(heads, num_buckets, max_distance, bidirectional)
+        # decoder buckets treat keys after the query as distance 0: ids must grow along what a query sees
+        self.ordered_position_ids = not bidirectional
         # T5's initialisation of the table (`factor * d_model ** -0.5`, factor 1): the bias is in logits either way
         nn.init.normal_(self.positions.relative_attention_bias.weight, std=d_model ** -0.5)
 
-    def position_bias(self, seq_len_q:int, seq_len_k:int) -> torch.Tensor:
-        "`[1, heads, seq_q, seq_k]` (T5's `compute_bias`), added after the `1/sqrt(d_k)` scaling; last query on the last key."
+    def position_bias(self, seq_len_q:int, seq_len_k:int, position_ids:Optional[torch.Tensor]=None) -> torch.Tensor:
+        "`[1, heads, seq_q, seq_k]` (T5's `compute_bias`), added after the `1/sqrt(d_k)` scaling; last query on the last key. With `position_ids`: `[batch or 1, heads, seq_q, seq_k]` from their differences."
         if seq_len_k < seq_len_q:
             raise ValueError(f"key must be at least as long as query (the last queries line up with the last keys), "
                              f"got seq_len_q={seq_len_q}, seq_len_k={seq_len_k}")
+        if position_ids is not None: return self.positions.from_positions(position_ids, seq_len_q)
         return self.positions(seq_len_q, seq_len_k)
 
-    def attention_fast(self, query, key, value, mask):
-        "`toeplitz_attention` without a mask or with the causal one; any other mask: the bias built and masked, then `sdpa_bias`."
+    def attention_fast(self, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
+        "`toeplitz_attention` without a mask or with the causal one; any other mask, or position ids: the bias built (and masked), then `sdpa_bias`."
         nq, nk = query.shape[0], key.shape[0]
         if nk < nq: self.position_bias(nq, nk)  # raises
-        distance_bias = self.positions.distance_bias(nq, nk)
+        # grouped-query heads: the Toeplitz kernel and `sdpa_bias`'s backward read one key/value row per query head,
+        # so the key/value heads are repeated here (the Toeplitz kernel reverses the keys, a copy, either way)
+        key, value = expand_kv(key, self.heads), expand_kv(value, self.heads)
         dropout_p = self.dropout.p if self.training else 0.0
-        if _use_flex(query, dropout_p):   # CUDA: FlexAttention reads the distance table (chapter 3b)
-            return _flex_heads(query, key, value, toeplitz_score_mod(distance_bias, nq), self.scale, mask)
-        causal = is_causal_mask(mask, nq, nk)
-        if mask is None or causal:
-            return _toeplitz_heads(query, key, value, distance_bias, self.scale, causal, dropout_p)
+        if position_ids is None:
+            distance_bias = self.positions.distance_bias(nq, nk)
+            if _use_flex(query, dropout_p):   # CUDA: FlexAttention reads the distance table (chapter 3b)
+                return _flex_heads(query, key, value, toeplitz_score_mod(distance_bias, nq), self.scale, mask)
+            causal = is_causal_mask(mask, nq, nk)
+            if mask is None or causal:
+                return _toeplitz_heads(query, key, value, distance_bias, self.scale, causal, dropout_p)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
+        # distances from position ids are not constant along diagonals: the bias is built, one lookup per pair
+        bias = (toeplitz(distance_bias.to(q.dtype), nq, nk)[None] if position_ids is None
+                else self.positions.from_positions(position_ids, nq).to(q.dtype))
+        if mask is None: mask = torch.ones(1, nk, 1, 1, dtype=torch.bool, device=q.device)
         m = mask[..., 0].permute(2, 0, 1).unsqueeze(1)   # [b|1, 1, sq|1, sk], True = may attend
         row_ok = m.any(dim=-1, keepdim=True)             # fully masked rows: attend to all, zeroed below
-        bias = toeplitz(distance_bias.to(q.dtype), nq, nk)[None].masked_fill(~(m | ~row_ok), float('-inf'))
+        bias = bias.masked_fill(~(m | ~row_ok), float('-inf'))
         x = sdpa_bias(q, k, v, bias, self.scale, dropout_p) * row_ok
         # the fused CPU kernel can turn a NaN/Inf query row into 0; put the NaN back (as the base class does)
         x = x + q.sum(-1, keepdim=True) * 0
