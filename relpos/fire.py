@@ -140,11 +140,11 @@ def _fire_attention_reference(q, k, v, scale, causal, offset, eps, *params):
     if causal: bias = bias.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(offset).logical_not(), float('-inf'))
     return torch.softmax(q @ k.transpose(-1, -2) * scale + bias.to(q.dtype), dim=-1) @ v
 
-_FIRE_BLOCK_SCORES = 2**22   # scores per block (all batch elements and heads): the block's bias, P and dS; tests shrink it
+_FIRE_BLOCK_SCORES = 2**22   # scores per block (over `lanes` x heads): the block's bias and its pieces, P and dS; tests shrink it
 
-def _fire_rows(batch, heads, nk):
-    "Query rows per block: about `_FIRE_BLOCK_SCORES` scores over the batch and heads, at least 16."
-    return max(16, _FIRE_BLOCK_SCORES // max(1, batch * heads * nk))
+def _fire_rows(lanes, heads, nk):
+    "Query rows per block: about `_FIRE_BLOCK_SCORES` scores over `lanes` x heads, at least 16."
+    return max(16, _FIRE_BLOCK_SCORES // max(1, lanes * heads * nk))
 
 class _FireAttention(torch.autograd.Function):
     """softmax(q k^T * scale + FIRE bias) v on the fused CPU kernel, block of query rows by block: the bias of a block is
@@ -175,8 +175,7 @@ class _FireAttention(torch.autograd.Function):
                                            grad_out)
         batch, heads, nq, _ = q.shape
         nk = k.shape[-2]
-        grad_out = grad_out.contiguous()
-        # flash attention's backward, written out per block of query rows (all batch elements and heads at once):
+        # flash attention's backward, written out per block of query rows (all heads at once):
         # P = exp(S - lse), dV += P^T dO, dS = P * (dO V^T - D), dQ = dS K, dK += dS^T Q; and dS summed over the batch
         # is the gradient of the block's bias, which autograd takes back through the MLP to its parameters
         D = (grad_out * out).sum(-1, keepdim=True)
@@ -184,29 +183,29 @@ class _FireAttention(torch.autograd.Function):
         wants = [p.requires_grad for p in params]
         dparams = [torch.zeros_like(p) if w else None for p, w in zip(params, wants)]
         leaves = [p.detach().requires_grad_(w) for p, w in zip(params, wants)]
-        bh = batch * heads
-        q3, k3, v3, g3 = (t.reshape(bh, *t.shape[2:]) for t in (q, k, v, grad_out))
-        dq3, dk3, dv3, D3 = (t.view(bh, *t.shape[2:]) for t in (dq, dk, dv, D))
-        rows = _fire_rows(batch, heads, nk)
+        rows = _fire_rows(2, heads, nk)    # P and dS of one batch element, the block's bias and its graph
         for i0 in range(0, nq, rows):
             i1 = min(i0 + rows, nq)
             kend = min(nk, i1 + offset) if causal else nk
             with torch.enable_grad():
                 bias = _fire_block(i0, i1, kend, offset, causal, eps, leaves, q.dtype)
-            # [batch * heads, ...] views, so that the products accumulate in place (baddbmm_, no temporaries)
-            qb, gb = q3[:, i0:i1], g3[:, i0:i1]
-            kb, vb = k3[:, :kend], v3[:, :kend]
-            p = torch.bmm(qb, kb.transpose(1, 2)).view(batch, heads, i1 - i0, kend).mul_(scale).add_(bias.detach())
-            p = p.sub_(lse[:, :, i0:i1, None]).exp_().view(batch * heads, i1 - i0, kend)   # P
-            dv3[:, :kend].baddbmm_(p.transpose(1, 2), gb)
-            ds = torch.bmm(gb, vb.transpose(1, 2)).sub_(D3[:, i0:i1]).mul_(p)                 # dS
-            torch.bmm(ds, kb, out=dq3[:, i0:i1])
-            dk3[:, :kend].baddbmm_(ds.transpose(1, 2), qb)
-            ds = ds.view(batch, heads, i1 - i0, kend)
+            dbias = torch.zeros_like(bias) if any(wants) else None
+            # one batch element at a time: its [heads, rows, d] slices are strided views that the matrix products read
+            # in place (the layer's q, k, v are permuted views: a [batch * heads] reshape would copy all of them)
+            for b in range(batch):
+                qb, gb = q[b, :, i0:i1], grad_out[b, :, i0:i1]
+                kb, vb = k[b, :, :kend], v[b, :, :kend]
+                p = torch.bmm(qb, kb.transpose(1, 2)).mul_(scale).add_(bias.detach())
+                p = p.sub_(lse[b, :, i0:i1, None]).exp_()                                   # P, [heads, rows, kend]
+                dv[b, :, :kend].baddbmm_(p.transpose(1, 2), gb)
+                ds = torch.bmm(gb, vb.transpose(1, 2)).sub_(D[b, :, i0:i1]).mul_(p)         # dS
+                torch.bmm(ds, kb, out=dq[b, :, i0:i1])
+                dk[b, :, :kend].baddbmm_(ds.transpose(1, 2), qb)
+                if dbias is not None: dbias += ds
             if any(wants):
                 want_leaves = [l for l, w in zip(leaves, wants) if w]
                 for acc, g in zip([d for d in dparams if d is not None],
-                                  torch.autograd.grad(bias, want_leaves, ds.sum(0), allow_unused=True)):
+                                  torch.autograd.grad(bias, want_leaves, dbias, allow_unused=True)):
                     if g is not None: acc += g
         return (dq.mul_(scale), dk.mul_(scale), dv, None, None, None, None, *dparams)
 

@@ -21,6 +21,7 @@ from .fourier import FourierMultiHeadAttention
 from .rotary import RotaryMultiHeadAttention
 from .alibi import ALiBiMultiHeadAttention
 from .t5 import T5MultiHeadAttention
+from .fire import FireMultiHeadAttention
 from .memorizing import MemorizingAttention, KNNMemory, _check_knn_memory
 
 # %% ../nbs/09_models.ipynb #396f09e8
@@ -113,6 +114,7 @@ POSITION_BUILDERS: Dict[str, Callable] = {
     'rotary': LabmlPosition(RotaryMultiHeadAttention),   # rotate queries and keys by position (RoFormer, LLaMA)
     'alibi': LabmlPosition(ALiBiMultiHeadAttention),     # a fixed linear penalty per head on the distance (Press et al.)
     't5': LabmlPosition(T5MultiHeadAttention),           # a learned bias per head for each of 32 log-spaced distance buckets (T5)
+    'fire': LabmlPosition(FireMultiHeadAttention),       # a learned MLP of the log distance normalised by the query's position (FIRE)
 }
 POSITIONS = tuple(POSITION_BUILDERS)
 
@@ -136,15 +138,15 @@ class DecoderLayer(nn.Module):
         return x + self.dropout(self.feed_forward(self.norm_ff(x)))
 
 # %% ../nbs/09_models.ipynb #06c88111
-def _check_layers(layers, n_layers:int) -> Tuple[int, ...]:
-    "`memorizing_layers`: distinct layer indices in [0, n_layers), returned sorted."
+def _check_layers(layers, n_layers:int, name:str='memorizing_layers') -> Tuple[int, ...]:
+    "`memorizing_layers`, `nope_layers`: distinct layer indices in [0, n_layers), returned sorted; errors name the argument."
     if isinstance(layers, (int, str)) or not isinstance(layers, (tuple, list, range)):
-        raise TypeError(f"memorizing_layers must be a tuple of layer indices, e.g. (1,), got {type(layers).__name__} {layers!r}")
+        raise TypeError(f"{name} must be a tuple of layer indices, e.g. (1,), got {type(layers).__name__} {layers!r}")
     for i in layers:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers:
-            raise ValueError(f"memorizing_layers must hold layer indices in [0, n_layers={n_layers}), got {tuple(layers)!r}")
+            raise ValueError(f"{name} must hold layer indices in [0, n_layers={n_layers}), got {tuple(layers)!r}")
     if len(set(layers)) != len(layers):
-        raise ValueError(f"memorizing_layers lists a layer twice: {tuple(layers)!r}")
+        raise ValueError(f"{name} lists a layer twice: {tuple(layers)!r}")
     return tuple(sorted(layers))
 
 class DecoderLM(nn.Module):
@@ -163,6 +165,7 @@ class DecoderLM(nn.Module):
                  top_k:int=32,               # pairs each query retrieves from the kNN memory
                  knn_memory:type=KNNMemory,  # the kNN memory's class: exact `KNNMemory`, or approximate `FaissKNNMemory`
                  knn_memory_kwargs:Optional[dict]=None, # more arguments for it, e.g. `dict(nprobe=32)`
+                 nope_layers=(),             # indices of the layers with no position method (plain `MultiHeadAttention`)
                  **position_kwargs):         # passed to the position method's attention module (e.g. `P=`, `k=`)
         super().__init__()
         _check_int(n_vocab, 'n_vocab', 1); _check_int(d_model, 'd_model', 1); _check_int(heads, 'heads', 1)
@@ -181,6 +184,7 @@ class DecoderLM(nn.Module):
                                          f"so earlier segments would reuse them; use mem_len=0, got mem_len={mem_len}")
         _check_int(knn_capacity, 'knn_capacity', 1); _check_int(top_k, 'top_k', 1)
         self.memorizing_layers = _check_layers(memorizing_layers, n_layers)
+        self.nope_layers = _check_layers(nope_layers, n_layers, 'nope_layers')
         self.knn_capacity, self.top_k = knn_capacity, top_k
         self.knn_memory, self.knn_memory_kwargs = knn_memory, _check_knn_memory('DecoderLM', knn_memory, knn_memory_kwargs)
         self.n_vocab, self.d_model, self.heads, self.d_ff, self.dropout_p = n_vocab, d_model, heads, d_ff, dropout
@@ -191,7 +195,8 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList([self.make_layer(i) for i in range(n_layers)])
         self.norm = nn.LayerNorm([d_model])
         self.generator = nn.Linear(d_model, n_vocab)   # untied: labml_nn's Transformer-XL head, checkpoints load
-        attn = self.layers[0].self_attn
+        # memory and length limits are the position method's: read them from a layer that has it
+        attn = self.layers[next((i for i in range(n_layers) if i not in self.nope_layers), 0)].self_attn
         self.supports_memory = position != 'absolute' and attn.supports_memory
         if mem_len and not self.supports_memory:
             raise ValueError(f"position={position!r} does not support keys longer than queries; use mem_len=0")
@@ -205,10 +210,12 @@ class DecoderLM(nn.Module):
         if self.memorizing_layers and self.knn_memory is not KNNMemory:
             knn += f", knn_memory={self.knn_memory.__name__}"
             if self.knn_memory_kwargs: knn += f", knn_memory_kwargs={self.knn_memory_kwargs!r}"
-        return f"position={name!r}, mem_len={self.mem_len}, max_len={self.max_len}, max_keys={self.max_keys}" + knn
+        nope = f", nope_layers={self.nope_layers}" if self.nope_layers else ""
+        return f"position={name!r}, mem_len={self.mem_len}, max_len={self.max_len}, max_keys={self.max_keys}" + nope + knn
 
     def make_attention(self, layer:int) -> BatchFirstAttention:
-        "Self-attention of layer `layer`; override to give some layers another kind of attention."
+        "Self-attention of layer `layer` (plain `MultiHeadAttention` in `nope_layers`); override to give some layers another kind of attention."
+        if layer in self.nope_layers: return LabmlPosition(MultiHeadAttention)(self.d_model, self.heads, self.dropout_p, self.max_len, self.mem_len)
         build = POSITION_BUILDERS[self.position] if isinstance(self.position, str) else self.position
         return build(self.d_model, self.heads, self.dropout_p, self.max_len, self.mem_len, **self.position_kwargs)
 
@@ -219,7 +226,7 @@ class DecoderLM(nn.Module):
         return DecoderLayer(self.d_model, attn, self.d_ff, self.dropout_p)
 
 # %% ../nbs/09_models.ipynb #d7b9adb4
-KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5') # positions a kNN layer can take as its local side
+KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire') # positions a kNN layer can take as its local side
 
 @patch
 def make_memorizing(self:DecoderLM, layer:int,  # index of the layer

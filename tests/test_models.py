@@ -235,3 +235,40 @@ def test_generate_runs_one_position_per_new_token(position):
     lm.layers[0].register_forward_pre_hook(lambda mod, args: seen.append((args[0].shape[1], 0 if args[1] is None else args[1].shape[1])))
     lm.generate(torch.randint(0, V, (2, 5)), 6)
     assert seen == [(5, 0)] + [(1, 5 + s) for s in range(5)]   # (queries, cached positions)
+
+
+# ---------------------------------------------------------------- 'fire' and nope_layers
+def test_fire_in_the_registry():
+    assert 'fire' in POSITIONS
+    lm = small('fire', mem_len=4)
+    assert type(lm.layers[0].self_attn.module).__name__ == 'FireMultiHeadAttention'
+    assert lm.supports_memory and lm.max_keys is None
+
+
+@pytest.mark.parametrize("position", [p for p in POSITIONS if p != 'absolute'])
+def test_all_layers_nope_equals_none(position):
+    "Every layer in nope_layers: the model is position='none' with the same weights (a strict state_dict load), with memory."
+    lm = randomized(small(position, nope_layers=(0, 1), mem_len=4, max_len=8)).eval()
+    plain = small('none', mem_len=4, max_len=8).eval()
+    plain.load_state_dict(lm.state_dict())
+    x = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        (a, ma), (b, mb) = lm(x), plain(x)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(lm(x, ma)[0], plain(x, mb)[0], rtol=0, atol=0)
+
+
+def test_nope_layers_mixed():
+    "nope_layers picks the plain layers; the others keep the method, its keyword arguments and its length limit."
+    lm = small('xl', n_layers=3, nope_layers=[0, 2], P=40)
+    kinds = [type(l.self_attn.module).__name__ for l in lm.layers]
+    assert kinds == ['MultiHeadAttention', 'RelativeMultiHeadAttention', 'MultiHeadAttention']
+    assert lm.layers[1].self_attn.module.P == 40 and lm.max_keys == 40   # read from the layer that has the method
+    assert lm.nope_layers == (0, 2) and 'nope_layers=(0, 2)' in repr(lm)
+    randomized(lm)(torch.randint(0, V, (1, 8)))
+
+
+@pytest.mark.parametrize("bad,match", [((3,), 'nope_layers must hold layer indices'), (1, 'nope_layers must be a tuple'),
+                                        ((0, 0), 'nope_layers lists a layer twice'), ((True,), 'nope_layers must hold')])
+def test_nope_layers_refused(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match): small('rotary', n_layers=3, nope_layers=bad)

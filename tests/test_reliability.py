@@ -405,6 +405,9 @@ for name, fn, names in [
 for name, kw, names in [
     ("mem_len < 0", dict(mem_len=-1), ("mem_len",)),
     ("unknown position (lists POSITIONS)", dict(position="rope"), ("POSITIONS",)),
+    ("nope_layers out of range", dict(nope_layers=(5,)), ("nope_layers",)),
+    ("nope_layers an int", dict(nope_layers=1), ("nope_layers",)),
+    ("nope_layers repeated", dict(nope_layers=(0, 0)), ("nope_layers",)),
     ("absolute with mem_len > 0", dict(position="absolute"), ("mem_len",)),
     ("absolute without max_len", dict(position="absolute", mem_len=0, max_len=None), ("max_len",)),
     ("d_model not divisible by heads", dict(d_model=9), ("d_model", "heads")),
