@@ -140,7 +140,7 @@ def _fire_attention_reference(q, k, v, scale, causal, offset, eps, *params):
     if causal: bias = bias.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(offset).logical_not(), float('-inf'))
     return torch.softmax(q @ k.transpose(-1, -2) * scale + bias.to(q.dtype), dim=-1) @ v
 
-_FIRE_BLOCK_SCORES = 2**22   # scores per block (over `lanes` x heads): the block's bias and its pieces, P and dS; tests shrink it
+_FIRE_BLOCK_SCORES = 2**21   # scores per block (over `lanes` x heads): the block's bias and its pieces, P and dS; tests shrink it
 
 def _fire_rows(lanes, heads, nk):
     "Query rows per block: about `_FIRE_BLOCK_SCORES` scores over `lanes` x heads, at least 16."
