@@ -459,6 +459,43 @@ def _(mod):
     return "ok (empty, memory kept)"
 
 
+@case(*LM, "int8/int16/uint8/int32 token ids")
+def _(mod):
+    m = _lm(mod)
+    ids = _lm_tokens()
+    with torch.no_grad():
+        want = m(ids)[0]
+        for dtype in (torch.int8, torch.int16, torch.uint8, torch.int32):
+            close(m(ids.to(dtype))[0], want, 0, f"{dtype} logits")
+            if not torch.equal(m.generate(ids.to(dtype), 2, temperature=0), m.generate(ids, 2, temperature=0)):
+                raise Fail(f"{dtype} generate")
+    raises(lambda: m(torch.full((2, 3), 200, dtype=torch.uint8)), "tokens")
+    raises(lambda: m.generate(torch.full((2, 3), 200, dtype=torch.uint8), 2), "prompt")
+    return "ok (== long ids; uint8 >= n_vocab refused)"
+
+
+@case(*LM, "generate: temperature 1e-40 (greedy limit)")
+def _(mod):
+    m = _lm(mod)
+    got = m.generate(_lm_tokens(), 4, temperature=1e-40, generator=torch.Generator().manual_seed(0))
+    if not torch.equal(got, m.generate(_lm_tokens(), 4, temperature=0)): raise Fail("not the greedy tokens")
+    return "ok (== temperature 0)"
+
+
+@case(*LM, "batch 0 with kNN memories held")
+def _(mod):
+    m = _lm(mod, memorizing_layers=(1,), knn_capacity=8, top_k=2)
+    m(_lm_tokens(), doc_start=torch.ones(2, dtype=torch.bool))
+    before = {i: {k: t.clone() for k, t in s.items()} for i, s in m.knn_memory_state_dict().items()}
+    for doc_start in (None, torch.ones(0, dtype=torch.bool)):
+        out, mem = m(_lm_tokens(b=0), doc_start=doc_start)
+        if out.shape != (0, 5, VOCAB) or any(t.shape != (0, 4, D) for t in mem): raise Fail("batch 0 shapes")
+    if m.generate(_lm_tokens(b=0), 3).shape != (0, 8): raise Fail("generate batch 0")
+    after = m.knn_memory_state_dict()
+    if any(not torch.equal(after[i][k], before[i][k]) for i in before for k in before[i]): raise Fail("memory changed")
+    return "ok (empty logits, memories untouched)"
+
+
 @case("fourier", "FourierMultiHeadAttention", "keys beyond max_number_of_keys")
 def _(mod):
     m = _randomize(ATTN[("fourier", "FourierMultiHeadAttention")](mod))
