@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['KVCache', 'CacheStep', 'supports_cache', 'full_logits']
 
-# %% ../nbs/09a_cache.ipynb #a8b85230
+# %% ../nbs/09a_cache.ipynb #acae4c9e
 import math, weakref
 from typing import List, Optional, Tuple
 import torch
@@ -19,9 +19,10 @@ from .alibi import ALiBiMultiHeadAttention, alibi_slopes
 from .t5 import T5MultiHeadAttention
 from .fourier import FourierMultiHeadAttention
 from .shaw import RelationAwareMultiHeadAttention, masked_score
+from .fire import FireMultiHeadAttention, fire_psi
 from .models import DecoderLM, _check_int, _sample
 
-# %% ../nbs/09a_cache.ipynb #feff4cd6
+# %% ../nbs/09a_cache.ipynb #4028057d
 class KVCache:
     "Per layer the projected keys and values of the last `max_cache_len` tokens, `[batch, kv_heads, max_cache_len, head_dim]`, preallocated and written in place (a ring), with each slot's position id and whether it holds a token."
     def __init__(self,
@@ -74,7 +75,7 @@ class KVCache:
         return (f"KVCache(layers={self.n_layers}, batch_size={self.batch_size}, max_cache_len={self.max_cache_len}, "
                 f"filled={len(self)}, seen={self.seen}, dtype={self.dtype}, device={self.device})")
 
-# %% ../nbs/09a_cache.ipynb #c7e020c5
+# %% ../nbs/09a_cache.ipynb #8cce29d2
 @patch
 def reset(self:KVCache, which:torch.Tensor): # bool `[batch]`: rows whose document ends (their next token starts a new one)
     "Mask out every cached token of the rows in `which`; their next token gets position id 0."
@@ -97,7 +98,7 @@ def clear(self:KVCache):
     self.seen, self.all_valid = 0, True
     self.tables = [None] * self.n_layers
 
-# %% ../nbs/09a_cache.ipynb #cf492a29
+# %% ../nbs/09a_cache.ipynb #4600f289
 class CacheStep:
     "What one call of a cached model shares across its layers: where the new tokens go, their position ids, and the mask and distances of the keys they attend to."
     def __init__(self, cache:KVCache, n:int, q_pos:torch.Tensor, new_valid:Optional[torch.Tensor]):
@@ -175,8 +176,9 @@ class CacheStep:
         if self.new_valid is not None: m = m & self.new_valid[:, None, :]
         return m
 
-# %% ../nbs/09a_cache.ipynb #1105bcb1
-_CACHE_HOOKS = ('cache_shape', 'cache_project', 'cache_prefill', 'cache_attend', 'cache_position_term', 'cache_tables', 'cache_limit')
+# %% ../nbs/09a_cache.ipynb #0a5f952d
+_CACHE_HOOKS = ('cache_shape', 'cache_project', 'cache_prefill', 'cache_attend', 'cache_position_term', 'cache_tables', 'cache_limit',
+                'cache_prefill_ok')
 _POSITION_HOOKS = ('forward', 'get_scores', 'position_bias', 'attention_fast', 'attention_reference', 'sdpa', 'rotate',
                    'position_tables', 'content_bias', 'relative_tables')
 
@@ -193,7 +195,7 @@ def supports_cache(module:nn.Module) -> bool:
     if cached is None or not hasattr(module, 'cached_attention'): return False
     return issubclass(cached, _definer(cls, _POSITION_HOOKS))
 
-# %% ../nbs/09a_cache.ipynb #27ace5e9
+# %% ../nbs/09a_cache.ipynb #c60cf127
 @patch
 def cache_shape(self:MultiHeadAttention) -> Tuple[int, int, int]:
     "`(kv_heads, d_k, d_v)` of the cached keys and values: `kv_heads` wide when the layer has grouped-query heads."
@@ -221,6 +223,11 @@ def cache_prefill(self:MultiHeadAttention, q, k, v, mask:Optional[torch.Tensor])
     return x.transpose(0, 1)
 
 @patch
+def cache_prefill_ok(self:MultiHeadAttention, step:CacheStep) -> bool:
+    "Whether the prefill may take the layer's fast path, whose positions are the keys' indices (a method whose bias depends on more than their differences says no when padding shifts the ids)."
+    return True
+
+@patch
 def cache_position_term(self:MultiHeadAttention, q, step:CacheStep, layer:int):
     "The queries for the content term and the additive score term `[b, h, n, keys]` (None: none) of a decode step."
     return q, None
@@ -237,7 +244,7 @@ def cache_attend(self:MultiHeadAttention, q, k, v, step:CacheStep, layer:int) ->
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
-# %% ../nbs/09a_cache.ipynb #b7aa1e0f
+# %% ../nbs/09a_cache.ipynb #235a57ed
 @patch
 def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]`, the new tokens' (normalised) layer inputs
                      cache:KVCache, layer:int, step:CacheStep,
@@ -246,13 +253,13 @@ def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]
     b, n, _ = x.shape
     q, k, v = self.cache_project(x, step)                        # [b, n, heads, d], [b, n, kv_heads, d] x 2
     K, V = cache.keys[layer], cache.values[layer]
-    if step.mode == 'prefill':
+    if step.mode == 'prefill' and self.cache_prefill_ok(step):
         out = self.cache_prefill(q, k, v, step.prefill_mask())    # [b, n, heads, d]
         _write(K, V, k, v, step)
     elif step.mode == 'decode':                                    # write first: the new key is one of the keys
         _write(K, V, k, v, step)
         out = self.cache_attend(q.transpose(1, 2), K[:, :, :step.length], V[:, :, :step.length], step, layer).transpose(1, 2)
-    else:                                                          # extend: cached keys + new ones, then write
+    else:                                                          # extend (or a prefill by position ids): cached keys + new ones, then write
         f = len(cache)
         kk = torch.cat([K[:, :, :f], k.transpose(1, 2)], 2)
         vv = torch.cat([V[:, :, :f], v.transpose(1, 2)], 2)
@@ -267,7 +274,7 @@ def _write(K, V, k, v, step:CacheStep):
     if isinstance(w, slice): K[:, :, w] = k; V[:, :, w] = v
     else: K.index_copy_(2, w, k); V.index_copy_(2, w, v)
 
-# %% ../nbs/09a_cache.ipynb #ad3306ef
+# %% ../nbs/09a_cache.ipynb #df3021a1
 def _layer_tables(module, step:CacheStep, layer:int):
     "The layer's position tables over distances `-(L-1) .. 0` (`module.cache_tables`), made once per cache and again when a parameter changes."
     c = step.cache
@@ -282,7 +289,7 @@ def _gather_distance(table:torch.Tensor, step:CacheStep) -> torch.Tensor:
     idx = step.distance_index()                               # [b, 1, n, keys]
     return table[:, idx[:, 0]].transpose(0, 1)               # [h, b, n, keys] -> [b, h, n, keys]
 
-# %% ../nbs/09a_cache.ipynb #ad0739d7
+# %% ../nbs/09a_cache.ipynb #240156af
 @patch
 def cache_project(self:RotaryMultiHeadAttention, x, step:CacheStep):
     "Project, then rotate the new queries and keys by their position ids: keys enter the cache rotated, once."
@@ -314,7 +321,7 @@ def cache_attend(self:RotaryMultiHeadAttention, q, k, v, step, layer):
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
-# %% ../nbs/09a_cache.ipynb #1a3ddaa4
+# %% ../nbs/09a_cache.ipynb #645b2c3f
 @patch
 def cache_tables(self:ALiBiMultiHeadAttention, L:int, dtype):
     "`[heads, L]`: $m_h d$ for $d = -(L-1) .. 0$, as `alibi_bias` computes it."
@@ -346,7 +353,7 @@ def cache_tables(self:FourierMultiHeadAttention, L:int, dtype):
 def cache_position_term(self:FourierMultiHeadAttention, q, step, layer):
     return q, _gather_distance(_layer_tables(self, step, layer), step)
 
-# %% ../nbs/09a_cache.ipynb #5c39a42a
+# %% ../nbs/09a_cache.ipynb #7fc00520
 @patch
 def cache_limit(self:RelativeMultiHeadAttention): return self.P, 'P'
 
@@ -378,7 +385,22 @@ def cache_prefill(self:(RelativeMultiHeadAttention, XLRelativeMultiHeadAttention
     self.check_lengths(q.shape[1], k.shape[1])
     return MultiHeadAttention.cache_prefill(self, q, k, v, mask)
 
-# %% ../nbs/09a_cache.ipynb #d4ef921f
+# %% ../nbs/09a_cache.ipynb #f21894ed
+@patch
+def cache_position_term(self:FireMultiHeadAttention, q, step, layer):
+    "FIRE: the MLP on the new rows' normalised distances $\\psi(i-j)/\\psi(\\max(L, i))$, from the position ids (no table: the row depends on $i$)."
+    fb = self.positions
+    dtype = fb.mlp[0].weight.dtype
+    pq, pk = step.q_pos.to(dtype), step.key_positions().to(dtype)              # [b, n], [b, keys]
+    x = fire_psi(pq[:, :, None] - pk[:, None, :], fb.c) / (fire_psi(torch.maximum(pq, fb.threshold), fb.c) + fb.eps)[..., None]
+    return q, fb.mlp(x[..., None]).permute(0, 3, 1, 2)                          # [b, heads, n, keys]
+
+@patch
+def cache_prefill_ok(self:FireMultiHeadAttention, step):
+    "The fast path places query i at index i: right for a prompt without padding (ids = indices), not for a left-padded one."
+    return step.new_valid is None
+
+# %% ../nbs/09a_cache.ipynb #568e18a7
 @patch
 def cache_shape(self:RelationAwareMultiHeadAttention): return self.num_heads, self.head_dim, self.head_dim
 
@@ -433,7 +455,7 @@ def cached_attention(self:RelationAwareMultiHeadAttention, x, cache, layer, step
         _write(K, V, k, v, step)
     return self.fc(out.flatten(2))
 
-# %% ../nbs/09a_cache.ipynb #48cdc73e
+# %% ../nbs/09a_cache.ipynb #cc191e64
 @patch
 def new_cache(self:DecoderLM, batch_size:int,  # rows decoded side by side
               max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included
@@ -451,7 +473,7 @@ def supports_cache(self:DecoderLM) -> bool:
     "Whether every layer decodes with a `KVCache` (not the kNN layers, nor a custom builder's attention without a cached path)."
     return not self.memorizing_layers and all(supports_cache(getattr(l.self_attn, 'module', l.self_attn)) for l in self.layers)
 
-# %% ../nbs/09a_cache.ipynb #c4037b55
+# %% ../nbs/09a_cache.ipynb #cec643c7
 @patch
 def _check_cache(self:DecoderLM, cache, batch:int):
     if not isinstance(cache, KVCache):
@@ -504,7 +526,7 @@ def _cache_positions(self:DecoderLM, cache:KVCache, n:int, attention_mask, posit
                              f"build DecoderLM(..., max_len={top + 1}) (or larger)")
     return q_pos, valid
 
-# %% ../nbs/09a_cache.ipynb #463e555a
+# %% ../nbs/09a_cache.ipynb #62906efd
 @patch
 def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:bool=False) -> torch.Tensor:
     "The layers over the new tokens with the cache (inputs checked): each layer projects only them and attends over its cache."
@@ -527,7 +549,7 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
                    doc_start:Optional[torch.Tensor]=None,      # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their cache is reset first)
                   ) -> torch.Tensor:                      # logits `[batch, n, n_vocab]`
     "Logits of the next tokens given everything in the cache; their keys and values join it. A refused call changes nothing."
-    self._check_tokens(tokens)
+    tokens = self._check_tokens(tokens)   # any integer dtype: long from here on
     b, n = tokens.shape
     self._check_cache(cache, b)
     if doc_start is not None:
@@ -543,7 +565,7 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
     if doc_start is not None: cache.reset(doc_start)                  # last: a refused call changes nothing
     return self._cached_run(tokens, cache, q_pos, valid)
 
-# %% ../nbs/09a_cache.ipynb #70ef5aac
+# %% ../nbs/09a_cache.ipynb #cc22aca6
 def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
                 attention_mask:Optional[torch.Tensor]=None,    # `[batch, n]`, 0: padding (never attended; positions count only tokens)
                 max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i
@@ -563,7 +585,7 @@ def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
     for layer in model.layers: x = layer(x, None, mask)
     return model.generator(model.norm(x))
 
-# %% ../nbs/09a_cache.ipynb #66188cab
+# %% ../nbs/09a_cache.ipynb #00903461
 @patch
 def _generate_cached(self:DecoderLM, prompt, max_new_tokens:int, temperature, top_k, generator,
                      attention_mask, max_cache_len) -> torch.Tensor:

@@ -289,10 +289,11 @@ def test_generate_restores_every_submodule_mode():
     lm.generate(torch.zeros(1, 3, dtype=torch.long), 2)
     assert {name: m.training for name, m in lm.named_modules()} == modes
     def fail(*_): raise RuntimeError("boom")
-    hook = lm.layers[1].register_forward_pre_hook(fail)
-    with pytest.raises(RuntimeError, match='boom'): lm.generate(torch.zeros(1, 3, dtype=torch.long), 2)
+    hook = lm.layers[1].feed_forward.register_forward_pre_hook(fail)   # run by the cached and the uncached path
+    for use_cache in (True, False):
+        with pytest.raises(RuntimeError, match='boom'): lm.generate(torch.zeros(1, 3, dtype=torch.long), 2, use_cache=use_cache)
+        assert {name: m.training for name, m in lm.named_modules()} == modes
     hook.remove()
-    assert {name: m.training for name, m in lm.named_modules()} == modes
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
