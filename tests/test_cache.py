@@ -258,7 +258,6 @@ def test_generate_arguments():
     with pytest.raises(ValueError, match='attention_mask'): lm.generate(p, 2, attention_mask=torch.ones(2, 3), use_cache=False)
     with pytest.raises(ValueError, match='max_cache_len'): lm.generate(p, 2, max_cache_len=0)
     with pytest.raises(TypeError, match='use_cache'): lm.generate(p, 2, use_cache=1)
-    with pytest.raises(ValueError, match='attention_mask'): lm(p, attention_mask=torch.ones(2, 3))
 
 
 def test_models_without_a_cached_path():
@@ -290,3 +289,15 @@ def test_bench_decoder_runs_generate_loops():
         assert torch.equal(torch.stack(got, 1), lm.generate(prompt, 6, temperature=0, use_cache=use_cache)[:, 4:])
     times = bc.interleaved_steps(lm, [prompt, tokens(2, 7, 2)], True, steps=3, rounds=2)
     assert len(times) == 2 and all(len(t) == 3 and min(t) > 0 for t in times)
+
+
+@pytest.mark.parametrize("kw", [dict(norm='rms', ffn='swiglu', bias=False, kv_heads=1, heads=4),
+                                dict(ffn='gelu', parallel_residual=True), dict(nope_layers=(0,))])
+@pytest.mark.parametrize("position", ['rotary', 'alibi', 't5'])
+def test_decoder_variants_decode_with_the_cache(position, kw):
+    "LLaMA-, GPT-NeoX-shaped and NoPE-mixed DecoderLMs: cached decoding equals the full model."
+    lm, seq = small(position, **kw), tokens(2, 12, 5)
+    with torch.no_grad():
+        cache = lm.new_cache(2, 8)
+        got = torch.cat([lm(seq[:, :5], cache=cache)[0]] + [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(5, 12)], 1)
+        assert err(got, full_logits(lm, seq, max_cache_len=8)) <= TOL
