@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 ENV_STAMP := $(VENV)/.relpos-installed
 
-.PHONY: env export check nbtest pytest test docs bench study smoke-oldest clean
+.PHONY: env export check nbtest pytest test docs bench study memorizing-study smoke-oldest clean
 
 # torch first: a bare `torch` requirement on a fresh venv would pull a multi-GB CUDA build.
 $(ENV_STAMP): settings.ini setup.py
@@ -60,6 +60,13 @@ STUDY_NB := nbs/11_which_method.ipynb
 study: env
 	$(BIN)/python -m bench.study
 	$(BIN)/python tools/execute_nb.py $(STUDY_NB) nbs/index.ipynb && $(BIN)/nbdev_clean --fname $(STUDY_NB) && $(BIN)/nbdev_clean --fname nbs/index.ipynb
+
+# The Memorizing Transformer on long documents (bench/memorizing_study.py): every (setting, seed) not yet stored in
+# nbs/data/memorizing_study/ (resumable: rerun to continue; about an hour on 2 cores), then the chapter that reports it.
+MEMSTUDY_NB := nbs/10_memorizing.ipynb
+memorizing-study: env
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.memorizing_study
+	$(BIN)/python tools/execute_nb.py $(MEMSTUDY_NB) && $(BIN)/nbdev_clean --fname $(MEMSTUDY_NB)
 
 # The oldest torch that settings.ini claims, in a venv of its own (outside `make test`: from PyPI this is a
 # CUDA build of several GB). tools/smoke.py runs every module's fast and readable paths and compares them.

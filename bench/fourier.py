@@ -20,7 +20,7 @@ def make_sdpa(n, batch=4, heads=8, d_model=512, device='cpu'):
     return _layer(MultiHeadAttention, n, batch, heads, d_model, device)
 
 def make_fourier(n, batch=4, heads=8, d_model=512, device='cpu'):
-    "FourierMultiHeadAttention as shipped, no mask: its distance table to the Toeplitz kernel (`relpos.t5.toeplitz_attention`), no `[n, n]` bias."
+    "FourierMultiHeadAttention as shipped, no mask: its distance table to the Toeplitz kernel (`relpos.bias.toeplitz_attention`), no `[n, n]` bias."
     return _layer(FourierMultiHeadAttention, n, batch, heads, d_model, device)
 
 class _MeliadStyle(FourierMultiHeadAttention):

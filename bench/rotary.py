@@ -10,7 +10,8 @@ class CausalSDPA(MultiHeadAttention):
     "Baseline for causal cases: the same projections, then `F.scaled_dot_product_attention(is_causal=True)`."
     def attention_fast(self, query, key, value, mask):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).permute(2, 0, 1, 3)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                              enable_gqa=k.shape[1] != q.shape[1]).permute(2, 0, 1, 3)
 
 
 def layer_case(cls, n, batch=4, heads=8, d_model=512, device='cpu', causal=False, need_weights=False, **kw):
@@ -42,6 +43,23 @@ def make_rotary_readable(n, causal=False, **kw):
     return layer_case(RotaryMultiHeadAttention, n, causal=causal, need_weights=True, **kw)
 
 
+def make_sdpa_gqa(n, causal=False, **kw):
+    "Plain SDPA with grouped-query heads (8 query heads, 2 key/value heads, `enable_gqa=True`)."
+    return layer_case(CausalSDPA if causal else MultiHeadAttention, n, kv_heads=2, **kw)
+
+
+def make_rotary_gqa(n, causal=False, **kw):
+    "`RotaryMultiHeadAttention(kv_heads=2)`: rotation, then SDPA with `enable_gqa=True`."
+    return layer_case(RotaryMultiHeadAttention, n, causal=causal, kv_heads=2, **kw)
+
+
+def make_rotary_gqa_llama3(n, causal=False, **kw):
+    "Grouped-query rotary with Llama 3.1's `rope_scaling` (frequencies recomputed each call)."
+    rope = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+            'original_max_position_embeddings': 256}
+    return layer_case(RotaryMultiHeadAttention, n, causal=causal, kv_heads=2, rope_scaling=rope, **kw)
+
+
 def main(sizes=(512, 2048), reps=5, readable_up_to=512):
     out = []
     for causal in (False, True):
@@ -51,6 +69,11 @@ def main(sizes=(512, 2048), reps=5, readable_up_to=512):
         out.append(bench_table(cases, configs, baseline='sdpa', reps=reps,
                                title=f"Attention layer, batch 4, 8 heads, d_model 512, dropout 0, "
                                      f"{'causal mask (baseline: is_causal=True)' if causal else 'no mask'}"))
+    out.append(bench_table({'sdpa gqa': 'bench.rotary:make_sdpa_gqa', 'rotary gqa': 'bench.rotary:make_rotary_gqa',
+                            'rotary gqa llama3': 'bench.rotary:make_rotary_gqa_llama3'},
+                           [dict(n=n, causal=True) for n in sizes], baseline='sdpa gqa', reps=reps,
+                           title="Grouped-query heads (8 query, 2 key/value heads), causal mask "
+                                 "(baseline: SDPA with is_causal=True, enable_gqa=True)"))
     small = [dict(n=n, causal=True) for n in sizes if n <= readable_up_to]
     if small:
         out.append(bench_table({'sdpa': 'bench.rotary:make_sdpa', 'rotary readable': 'bench.rotary:make_rotary_readable'},

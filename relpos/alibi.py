@@ -11,7 +11,9 @@ from typing import Optional, List
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention, functorch_active, guard_double_backward, is_causal_mask
+from .mha import MultiHeadAttention, functorch_active, guard_double_backward, is_causal_mask, check_position_ids
+from fastcore.basics import patch
+from .bias import toeplitz_score_mod, _use_flex, _flex_heads
 
 # %% ../nbs/07_alibi.ipynb #743a8d1c
 def _check_heads(heads) -> int:
@@ -46,8 +48,9 @@ def alibi_bias(heads:int,                  # number of heads (slopes from `alibi
                bidirectional:bool=False,   # False: m·(j - i), the causal bias; True: -m·|j - i|
                dtype:torch.dtype=torch.float32,
                device=None,
-              ) -> torch.Tensor:           # `[1, heads, seq_len_q, seq_len_k]`
-    "ALiBi's bias: head h adds $m_h (j - i)$ (causal; keys after the query are masked) or $-m_h |j - i|$ (bidirectional)."
+               position_ids:Optional[torch.Tensor]=None, # int `[batch or 1, seq_len_k]`: the keys' positions (default: j)
+              ) -> torch.Tensor:           # `[1 or batch, heads, seq_len_q, seq_len_k]`
+    "ALiBi's bias: head h adds $m_h (p_j - p_i)$ (causal; keys after the query are masked) or $-m_h |p_j - p_i|$ (bidirectional); $p_j = j$ without position ids."
     heads = _check_heads(heads)
     for name, v in (('seq_len_q', seq_len_q), ('seq_len_k', seq_len_k)):
         if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
@@ -56,37 +59,51 @@ def alibi_bias(heads:int,                  # number of heads (slopes from `alibi
     if seq_len_k < seq_len_q:
         raise ValueError(f"seq_len_k must be >= seq_len_q (the last queries line up with the last keys), "
                          f"got seq_len_q={seq_len_q}, seq_len_k={seq_len_k}")
-    # Relative distance r = j - i as exact small integers, then one multiplication by the slope.
-    query_pos = torch.arange(seq_len_k - seq_len_q, seq_len_k, device=device)
-    r = (torch.arange(seq_len_k, device=device)[None, :] - query_pos[:, None]).to(dtype)     # [sq, sk]
+    # Relative distance r = p_j - p_i as exact integers, then one multiplication by the slope.
+    if position_ids is None:
+        query_pos = torch.arange(seq_len_k - seq_len_q, seq_len_k, device=device)
+        r = (torch.arange(seq_len_k, device=device)[None, :] - query_pos[:, None])[None]      # [1, sq, sk]
+    else:
+        p = check_position_ids(position_ids, seq_len_k, position_ids.shape[0] if position_ids.dim() == 2 else 1)
+        r = p[:, None, :] - p[:, seq_len_k - seq_len_q:, None]                              # [b|1, sq, sk]
+    r = r.to(dtype)
     if bidirectional: r = -r.abs()
-    return (alibi_slopes(heads, dtype, device)[:, None, None] * r)[None]
+    return alibi_slopes(heads, dtype, device)[None, :, None, None] * r[:, None]
 
 # %% ../nbs/07_alibi.ipynb #0711af9d
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 
 class ALiBiMultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) with ALiBi's fixed linear distance penalty per head."
+    accepts_position_ids = True
     def __init__(self,
                  heads:int,                  # number of heads; each gets a slope from `alibi_slopes`
                  d_model:int,                # features of query, key, value
                  dropout_prob:float=0.1,     # dropout on the attention weights
                  bias:bool=True,             # bias in the query and key projections
                  bidirectional:bool=False,   # False: causal ALiBi (later keys are masked); True: -m·|j - i|
-                 need_weights:bool=False):   # keep `self.attn` (readable path)
-        super().__init__(heads, d_model, dropout_prob=dropout_prob, bias=bias, need_weights=need_weights)
+                 need_weights:bool=False,    # keep `self.attn` (readable path)
+                 *,
+                 kv_heads:Optional[int]=None, # key/value heads (grouped-query attention); None: heads
+                 head_dim:Optional[int]=None): # features per head; None: d_model // heads
+        super().__init__(heads, d_model, dropout_prob=dropout_prob, bias=bias, need_weights=need_weights,
+                         kv_heads=kv_heads, head_dim=head_dim)
         self.bidirectional = bool(bidirectional)
+        # causal ALiBi penalises distance behind the query: ids must grow along what a query sees
+        self.ordered_position_ids = not self.bidirectional
 
-    def extra_repr(self): return f"heads={self.heads}, d_k={self.d_k}, bidirectional={self.bidirectional}"
+    def extra_repr(self):
+        kv = f", kv_heads={self.kv_heads}" if self.kv_heads != self.heads else ""
+        return f"heads={self.heads}{kv}, d_k={self.d_k}, bidirectional={self.bidirectional}"
 
-    def position_bias(self, seq_len_q:int, seq_len_k:int) -> torch.Tensor:
-        "`[1, heads, seq_q, seq_k]` in the parameters' dtype, added after the `1/sqrt(d_k)` scaling."
+    def position_bias(self, seq_len_q:int, seq_len_k:int, position_ids:Optional[torch.Tensor]=None) -> torch.Tensor:
+        "`[1 or batch, heads, seq_q, seq_k]` in the parameters' dtype, added after the `1/sqrt(d_k)` scaling; distances from `position_ids` when given."
         if seq_len_k < seq_len_q:
             raise ValueError(f"key must be at least as long as query (the last queries line up with the last keys), "
                              f"got seq_len_q={seq_len_q}, seq_len_k={seq_len_k}")
         w = self.output.weight
         dtype = w.dtype if w.dtype == torch.float64 else torch.float32   # SDPA casts it to the inputs' dtype
-        return alibi_bias(self.heads, seq_len_q, seq_len_k, self.bidirectional, dtype, w.device)
+        return alibi_bias(self.heads, seq_len_q, seq_len_k, self.bidirectional, dtype, w.device, position_ids)
 
     def check_inputs(self, query, key, value, mask):
         "The base class's checks; causal ALiBi then adds the causal mask: query i sees keys j <= i + seq_k - seq_q."
@@ -96,16 +113,37 @@ class ALiBiMultiHeadAttention(MultiHeadAttention):
         causal = torch.ones(sq, sk, dtype=torch.bool, device=self.output.weight.device).tril(sk - sq)[:, :, None, None]
         return causal if mask is None else mask & causal
 
-    def attention_fast(self, query, key, value, mask):
+    def attention_fast(self, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
         "SDPA with the bias as its float mask; causal self-attention on CPU: the flash kernel's causal mode plus the finite bias."
         sq, sk = query.shape[0], key.shape[0]
+        # with position ids the bias is per batch element, `[batch, heads, sq, sk]`: SDPA with it as attn_mask;
+        # grouped-query heads off CPU: SDPA with enable_gqa (the FlexAttention route reads one key head per query head)
+        if position_ids is not None: return super().attention_fast(query, key, value, mask, position_ids=position_ids)
+        if self.kv_heads == self.heads and _use_flex(query, self.dropout.p if self.training else 0.0):   # CUDA: FlexAttention (chapter 3b)
+            return _flex_heads(query, key, value, self.score_mod(sq, sk), self.scale, mask)
         if (self.bidirectional or _flash_cpu is None or query.device.type != 'cpu' or functorch_active()
                 or (self.training and self.dropout.p > 0) or sq != sk or not is_causal_mask(mask, sq, sk)):
             return super().attention_fast(query, key, value, mask)
         # `F.scaled_dot_product_attention` refuses `is_causal=True` together with an `attn_mask`; the CPU flash
         # kernel it dispatches to takes both, skips the blocks above the diagonal and needs no -inf copy of the bias.
+        # It reads grouped-query key/value heads as they are (key/value head h // (heads // kv_heads)).
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [batch, heads, seq, d_k]
         x, _ = _flash_cpu(q, k, v, 0.0, True, attn_mask=self.position_bias(sq, sk).to(q.dtype), scale=self.scale)
         guard_double_backward(x, q)   # fused kernel: create_graph=True stops with the way out (need_weights=True)
         x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
         return x.permute(2, 0, 1, 3)
+
+# %% ../nbs/07_alibi.ipynb #flexalib2
+@patch
+def distance_table(self:ALiBiMultiHeadAttention, seq_len_q:int, seq_len_k:int) -> torch.Tensor:
+    "The bias as its `[heads, seq_q + seq_k - 1]` distance table: column m is distance `r = m - (seq_k - 1)`, $m_h r$ (causal) or $-m_h |r|$."
+    w = self.output.weight
+    dtype = w.dtype if w.dtype == torch.float64 else torch.float32   # as `position_bias`
+    r = torch.arange(seq_len_q + seq_len_k - 1, device=w.device) - (seq_len_k - 1)
+    if self.bidirectional: r = -r.abs()
+    return alibi_slopes(self.heads, dtype, w.device)[:, None] * r.to(dtype)
+
+@patch
+def score_mod(self:ALiBiMultiHeadAttention, seq_len_q:int, seq_len_k:int):
+    "FlexAttention `score_mod` adding the layer's bias (`relpos.bias.toeplitz_score_mod` of `distance_table`); causal ALiBi's mask is the layer's mask."
+    return toeplitz_score_mod(self.distance_table(seq_len_q, seq_len_k), seq_len_q)

@@ -15,6 +15,8 @@ from torch import nn
 import torch.nn.functional as F
 from .mha import (MultiHeadAttention, functorch_active, differentiable_backward, head_workers, run_head_groups,
                         block_key_ranges, is_causal_mask)
+from fastcore.basics import patch
+from .bias import _toeplitz_heads, toeplitz_score_mod, _use_flex, _flex_heads
 
 # %% ../nbs/04_fourier.ipynb #33934713
 def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
@@ -373,13 +375,15 @@ class FourierMultiHeadAttention(MultiHeadAttention):
         return self.positions(seq_len_q, seq_len_k)
 
     def attention_fast(self, query, key, value, mask):
-        "No mask or the causal one: the distance table itself to `relpos.t5.toeplitz_attention` (no `[n, n]` bias is built); any other mask: `sdpa` below."
+        "No mask or the causal one: the distance table itself to `relpos.bias.toeplitz_attention` (no `[n, n]` bias is built); any other mask: `sdpa` below."
         nq, nk = query.shape[0], key.shape[0]
+        if 0 < nq <= nk and _use_flex(query, self.dropout.p if self.training else 0.0):   # CUDA: FlexAttention (chapter 3b)
+            return _flex_heads(query, key, value, self.score_mod(nq, nk), self.scale, mask)
         causal = is_causal_mask(mask, nq, nk)
         if not (self.positions.fast and 0 < nq <= nk and (mask is None or causal)):
             return super().attention_fast(query, key, value, mask)
-        return _t5._toeplitz_heads(query, key, value, self.positions.distance_table(nq, nk, nk - nq), self.scale, causal,
-                                   self.dropout.p if self.training else 0.0)
+        return _toeplitz_heads(query, key, value, self.positions.distance_table(nq, nk, nk - nq), self.scale, causal,
+                               self.dropout.p if self.training else 0.0)
 
     def sdpa(self, query, key, value, mask, bias=None):
         "The base class's fast path, with the trainable bias kept on the fused CPU kernel and the keys a mask hides skipped (see `sdpa_bias`)."
@@ -397,8 +401,8 @@ class FourierMultiHeadAttention(MultiHeadAttention):
         if row_ok is not None: x = x * row_ok
         return x.permute(2, 0, 1, 3)
 
-# %% ../nbs/04_fourier.ipynb #b196f78f
-# The layer's Toeplitz kernel is chapter 8's (relpos.t5, written for T5's bucket bias, also a function of the
-# distance alone). relpos.t5 imports this module, so it is imported last, as a module: in either import order
-# `_t5.toeplitz_attention` is there by the time a layer runs.
-from . import t5 as _t5
+# %% ../nbs/04_fourier.ipynb #flexfour2
+@patch
+def score_mod(self:FourierMultiHeadAttention, seq_len_q:int, seq_len_k:int):
+    "FlexAttention `score_mod` adding the layer's bias: `relpos.bias.toeplitz_score_mod` of `positions.distance_table` (last query on the last key)."
+    return toeplitz_score_mod(self.positions.distance_table(seq_len_q, seq_len_k, seq_len_k - seq_len_q), seq_len_q)

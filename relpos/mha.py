@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['GPU_BLOCK_SCORES', 'check_sequence', 'size_or_one', 'PrepareForMultiHeadAttention', 'is_causal_mask',
-           'guard_double_backward', 'MultiHeadAttention', 'functorch_active', 'differentiable_backward',
+           'guard_double_backward', 'expand_kv', 'check_position_ids', 'check_position_order', 'MultiHeadAttention',
+           'packed_causal_mask', 'packed_position_ids', 'functorch_active', 'differentiable_backward',
            'check_chunk_size', 'available_cpus', 'head_workers', 'run_head_groups', 'block_key_ranges', 'block_rows']
 
 # %% ../nbs/01_mha.ipynb #ed119fe5
@@ -86,6 +87,58 @@ def guard_double_backward(x:torch.Tensor, # output of a fused SDPA kernel, `[bat
         x.register_hook(_refuse_graph_through_fused_sdpa)
     return x
 
+def expand_kv(x:torch.Tensor, # `[..., kv_heads, d_k]` keys or values (heads in dim -2)
+              heads:int,      # query heads; a multiple of kv_heads
+             ) -> torch.Tensor: # `[..., heads, d_k]`: key/value head h // (heads // kv_heads) for query head h
+    "Grouped-query heads for the readable path: each key/value head repeated for the query heads that share it (`x` itself when there is one per query head)."
+    kv = x.shape[-2]
+    return x if kv == heads else x.repeat_interleave(heads // kv, dim=-2)
+
+def check_position_ids(position_ids,        # int tensor `[batch or 1, seq_len_k]` or `[seq_len_k]`
+                       seq_len_k:int,        # keys: the ids are the keys' positions
+                       batch:int,            # batch size of the call
+                       device=None,          # where the module's parameters are
+                       seq_len_q:Optional[int]=None, # queries (the last seq_len_q keys); checked <= seq_len_k
+                      ) -> torch.Tensor:     # int64 `[batch or 1, seq_len_k]`
+    "Check position ids (the keys' positions; query i has the id of key `i + seq_k - seq_q`) and return them as int64 `[batch or 1, seq_k]`."
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"position_ids must be an integer torch.Tensor [batch, seq_len_k] or [seq_len_k], "
+                        f"got {type(position_ids).__name__}")
+    if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids must have an integer dtype (positions are counted in tokens), got {position_ids.dtype}")
+    if position_ids.dim() == 1: position_ids = position_ids[None]
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq_len_k or not size_or_one(position_ids.shape[0], batch):
+        raise ValueError(f"position_ids must have shape [batch or 1, seq_len_k] = [{batch} or 1, {seq_len_k}] or "
+                         f"[seq_len_k] (the keys' positions; the queries are the last seq_len_q keys), "
+                         f"got {tuple(position_ids.shape)}")
+    if seq_len_q is not None and seq_len_q > seq_len_k:
+        raise ValueError(f"position_ids cover the keys and the queries are the last of them: seq_len_q must be <= "
+                         f"seq_len_k, got seq_len_q={seq_len_q}, seq_len_k={seq_len_k}")
+    if device is not None and position_ids.device != torch.device(device):
+        raise ValueError(f"position_ids is on {position_ids.device} but the module's parameters are on {device}")
+    return position_ids.long()
+
+def check_position_order(position_ids:torch.Tensor,   # int64 `[batch or 1, seq_k]` from `check_position_ids`
+                         mask:Optional[torch.Tensor], # prepared mask `[seq_q or 1, seq_k, batch or 1, 1]`, or None (all visible)
+                         seq_len_q:int,               # queries: the last seq_len_q keys
+                         owner:str,                   # the layer, for the error
+                        ) -> None:
+    "For methods whose distances have a direction (causal ALiBi, T5's decoder buckets): no key the query may see, at or before it in the sequence, has a larger position id."
+    sk = position_ids.shape[1]
+    if seq_len_q == 0 or sk == 0 or torch.compiler.is_compiling(): return
+    p_q = position_ids[:, sk - seq_len_q:]                                        # [b|1, sq]
+    later = position_ids[:, None, :] > p_q[:, :, None]                            # [b|1, sq, sk]: key id > query id
+    later = later & torch.ones(seq_len_q, sk, dtype=torch.bool, device=later.device).tril(sk - seq_len_q)
+    if mask is not None: later = later & mask[..., 0].permute(2, 0, 1)           # only pairs the mask lets through
+    if bool(later.any()):
+        b, i, j = (int(t[0]) for t in later.nonzero(as_tuple=True))
+        pb = b if position_ids.shape[0] > 1 else 0
+        raise ValueError(f"position_ids decrease inside what a query sees: in batch element {b}, key {j} (position id "
+                         f"{int(position_ids[pb, j])}) comes before query {i} (key {i + sk - seq_len_q}, position id "
+                         f"{int(position_ids[pb, i + sk - seq_len_q])}) and the mask lets it see that key; {owner} needs "
+                         f"positions that grow along what a query sees. Packed documents restarting at 0: pass "
+                         f"mask=relpos.mha.packed_causal_mask(doc_ids) so that no query sees another document")
+
 class MultiHeadAttention(nn.Module):
     "Multi-head attention with labml_nn's interface, state_dict and numbers; sequence first."
     def __init__(self,
@@ -93,22 +146,33 @@ class MultiHeadAttention(nn.Module):
                  d_model:int,              # features of `query`, `key`, `value`; divisible by `heads`
                  dropout_prob:float=0.1,   # dropout on the attention weights
                  bias:bool=True,           # bias in the query and key projections (value always has one, as in labml_nn)
-                 need_weights:bool=False): # default for `forward(need_weights=)`: keep `self.attn` (readable path)
+                 need_weights:bool=False,  # default for `forward(need_weights=)`: keep `self.attn` (readable path)
+                 *,
+                 kv_heads:Optional[int]=None, # key/value heads (grouped-query attention); None: `heads`. Must divide `heads`
+                 head_dim:Optional[int]=None): # features per head; None: `d_model // heads`
         super().__init__()
-        if not (isinstance(heads, int) and heads > 0):
+        if isinstance(heads, bool) or not (isinstance(heads, int) and heads > 0):
             raise ValueError(f"heads must be a positive int, got {heads!r}")
-        if not (isinstance(d_model, int) and d_model > 0 and d_model % heads == 0):
-            raise ValueError(f"d_model must be a positive int divisible by heads={heads}, got d_model={d_model!r}")
+        kv_heads = heads if kv_heads is None else kv_heads
+        if isinstance(kv_heads, bool) or not (isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads == 0):
+            raise ValueError(f"kv_heads must be a positive int dividing heads={heads} (each key/value head serves "
+                             f"heads // kv_heads query heads), got kv_heads={kv_heads!r}")
+        if isinstance(d_model, bool) or not (isinstance(d_model, int) and d_model > 0 and (head_dim is not None or d_model % heads == 0)):
+            raise ValueError(f"d_model must be a positive int divisible by heads={heads} (or pass head_dim=), got d_model={d_model!r}")
+        if head_dim is not None and (isinstance(head_dim, bool) or not (isinstance(head_dim, int) and head_dim > 0)):
+            raise ValueError(f"head_dim must be None (d_model // heads) or a positive int, got head_dim={head_dim!r}")
         if not 0.0 <= dropout_prob <= 1.0:
             raise ValueError(f"dropout_prob must be in [0, 1], got {dropout_prob!r}")
-        self.d_k = d_model // heads
-        self.heads = heads
+        self.d_k = d_model // heads if head_dim is None else head_dim
+        self.heads, self.kv_heads = heads, kv_heads
         self.query = PrepareForMultiHeadAttention(d_model, heads, self.d_k, bias=bias)
-        self.key = PrepareForMultiHeadAttention(d_model, heads, self.d_k, bias=bias)
-        self.value = PrepareForMultiHeadAttention(d_model, heads, self.d_k, bias=True)
+        # Grouped-query attention: `kv_heads` key and value heads, each shared by `heads // kv_heads` query heads
+        # (query head h reads key/value head h // (heads // kv_heads), transformers' `repeat_kv` order)
+        self.key = PrepareForMultiHeadAttention(d_model, kv_heads, self.d_k, bias=bias)
+        self.value = PrepareForMultiHeadAttention(d_model, kv_heads, self.d_k, bias=True)
         # Softmax along the key dimension of `[seq_q, seq_k, batch, heads]` scores
         self.softmax = nn.Softmax(dim=1)
-        self.output = nn.Linear(d_model, d_model)
+        self.output = nn.Linear(heads * self.d_k, d_model)
         self.dropout = nn.Dropout(dropout_prob)
         self.scale = 1 / math.sqrt(self.d_k)
         self.need_weights = need_weights
@@ -116,13 +180,19 @@ class MultiHeadAttention(nn.Module):
         self.attn = None
 
     # ---- override points -------------------------------------------------
-    def get_scores(self, query:torch.Tensor, key:torch.Tensor) -> torch.Tensor:
-        "Unscaled scores `[seq_q, seq_k, batch, heads]` from `query [seq_q, batch, heads, d_k]` and `key [seq_k, batch, heads, d_k]`."
+    def get_scores(self, query:torch.Tensor, key:torch.Tensor, position_ids:Optional[torch.Tensor]=None) -> torch.Tensor:
+        "Unscaled scores `[seq_q, seq_k, batch, heads]` from `query [seq_q, batch, heads, d_k]` and `key [seq_k, batch, heads, d_k]` (no position term: `position_ids` unused)."
         return torch.einsum('ibhd,jbhd->ijbh', query, key)
 
-    def position_bias(self, seq_len_q:int, seq_len_k:int) -> Optional[torch.Tensor]:
-        "Additive bias on the scaled scores, `[heads or 1, seq_q, seq_k]` or `[1, heads or 1, seq_q, seq_k]`; None for plain MHA."
+    def position_bias(self, seq_len_q:int, seq_len_k:int, position_ids:Optional[torch.Tensor]=None) -> Optional[torch.Tensor]:
+        "Additive bias on the scaled scores, `[heads or 1, seq_q, seq_k]` or `[batch or 1, heads or 1, seq_q, seq_k]`; None for plain MHA."
         return None
+
+    # A layer whose positions come from the index alone refuses `position_ids`; the rotary, ALiBi and T5 layers set
+    # this to True and receive the checked ids as `position_ids=` in `get_scores`, `position_bias`, `attention_fast`
+    # and `attention_reference` (only when the caller gave some: the other layers keep their signatures).
+    accepts_position_ids = False
+    ordered_position_ids = False  # True: `check_position_order` runs on the ids (a method whose distances have a direction)
 
     # ---- input checks ----------------------------------------------------
     def prepare_mask(self, mask:torch.Tensor, query_shape:List[int], key_shape:List[int]) -> torch.Tensor:
@@ -140,7 +210,7 @@ class MultiHeadAttention(nn.Module):
         return mask.unsqueeze(-1)
 
     def check_inputs(self, query, key, value, mask):
-        d_model = self.output.in_features
+        d_model = self.output.out_features   # = in_features unless head_dim * heads != d_model
         for name, x in (('query', query), ('key', key), ('value', value)): check_sequence(x, name, d_model)
         if key.shape[:2] != value.shape[:2]:
             raise ValueError(f"key and value must have the same [seq_len, batch], got key {tuple(key.shape)} and value {tuple(value.shape)}")
@@ -156,11 +226,22 @@ class MultiHeadAttention(nn.Module):
         if mask is not None: mask = self.prepare_mask(mask, query.shape, key.shape)
         return mask
 
+    def check_position_ids(self, position_ids, query_shape, key_shape) -> Optional[torch.Tensor]:
+        "None, or `position_ids` checked (integer `[batch or 1, seq_k]` or `[seq_k]`, the keys' positions) as int64 `[batch or 1, seq_k]`."
+        if position_ids is None: return None
+        if not self.accepts_position_ids:
+            raise TypeError(f"position_ids: {type(self).__name__} takes its positions from the sequence index; "
+                            f"position_ids are for the rotary, ALiBi and T5 layers")
+        return check_position_ids(position_ids, key_shape[0], key_shape[1], self.output.weight.device,
+                                  seq_len_q=query_shape[0])
+
     # ---- the two paths ---------------------------------------------------
-    def attention_reference(self, query, key, value, mask):
+    def attention_reference(self, query, key, value, mask, **position_ids):
         "Readable path: `get_scores`, scale, bias, mask, softmax, dropout; returns `x [seq_q, batch, heads, d_k]` and `attn`."
-        scores = self.get_scores(query, key) * self.scale
-        bias = self.position_bias(query.shape[0], key.shape[0])
+        # grouped-query heads: the readable path gives every query head its own copy of its key/value head
+        key, value = expand_kv(key, self.heads), expand_kv(value, self.heads)
+        scores = self.get_scores(query, key, **position_ids) * self.scale
+        bias = self.position_bias(query.shape[0], key.shape[0], **position_ids)
         if bias is not None:
             bias = bias.to(scores.dtype)
             if bias.dim() == 3: bias = bias.unsqueeze(0)
@@ -195,8 +276,10 @@ class MultiHeadAttention(nn.Module):
             bias = bias.to(q.dtype)
             if bias.dim() == 3: bias = bias.unsqueeze(0)
             attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float('-inf'))
+        # grouped-query heads: SDPA's `enable_gqa` reads key/value head h // (heads // kv_heads), no copies
         x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=self.scale,
-                                           dropout_p=self.dropout.p if self.training else 0.0)
+                                           dropout_p=self.dropout.p if self.training else 0.0,
+                                           enable_gqa=k.shape[1] != q.shape[1])
         guard_double_backward(x, q, attn_mask)   # see "Fast paths, higher-order gradients" below
         if row_ok is not None: x = x * row_ok
         # torch 2.13's fused CPU kernel returns 0, not NaN, for a query row holding a NaN/Inf when no
@@ -204,9 +287,9 @@ class MultiHeadAttention(nn.Module):
         x = x + q.sum(-1, keepdim=True) * 0
         return x.permute(2, 0, 1, 3)  # [seq_q, batch, heads, d_k]
 
-    def attention_fast(self, query, key, value, mask):
+    def attention_fast(self, query, key, value, mask, **position_ids):
         "Fast path; subclasses with their own `get_scores` override this (or are sent to the readable path)."
-        return self.sdpa(query, key, value, mask, self.position_bias(query.shape[0], key.shape[0]))
+        return self.sdpa(query, key, value, mask, self.position_bias(query.shape[0], key.shape[0], **position_ids))
 
     def _fast_path_ok(self):
         cls = type(self)
@@ -221,19 +304,59 @@ class MultiHeadAttention(nn.Module):
                 value:torch.Tensor,  # `[seq_len_k, batch, d_model]`
                 mask:Optional[torch.Tensor]=None, # bool `[seq_len_q or 1, seq_len_k, batch or 1]`, True = may attend
                 need_weights:Optional[bool]=None, # keep `self.attn`; None: use `self.need_weights`
+                position_ids:Optional[torch.Tensor]=None, # int `[batch, seq_len_k]` or `[seq_len_k]`: the keys' positions (rotary, ALiBi, T5 layers)
                ) -> torch.Tensor: # `[seq_len_q, batch, d_model]`
         "Check the inputs, project them into heads, attend (fast path, or the readable one when weights are wanted), project back."
         mask = self.check_inputs(query, key, value, mask)
+        ids = self.check_position_ids(position_ids, query.shape, key.shape)
+        if ids is not None and self.ordered_position_ids: check_position_order(ids, mask, query.shape[0], type(self).__name__)
+        pos = {} if ids is None else {'position_ids': ids}   # passed on only when given (see `accepts_position_ids`)
         seq_len, batch_size, _ = query.shape
         query, key, value = self.query(query), self.key(key), self.value(value)
         need_weights = self.need_weights if need_weights is None else need_weights
         if need_weights or not self._fast_path_ok():
-            x, attn = self.attention_reference(query, key, value, mask)
+            x, attn = self.attention_reference(query, key, value, mask, **pos)
             self.attn = attn.detach()
         else:
-            x = self.attention_fast(query, key, value, mask)
+            x = self.attention_fast(query, key, value, mask, **pos)
             self.attn = None
         return self.output(x.reshape(seq_len, batch_size, self.heads * self.d_k))
+
+# %% ../nbs/01_mha.ipynb #6f4d2ea2
+def _check_doc_ids(doc_ids) -> torch.Tensor:
+    if not isinstance(doc_ids, torch.Tensor):
+        raise TypeError(f"doc_ids must be an integer torch.Tensor [batch, seq_len], got {type(doc_ids).__name__}")
+    if doc_ids.is_floating_point() or doc_ids.is_complex() or doc_ids.dtype == torch.bool:
+        raise TypeError(f"doc_ids must have an integer dtype (one document id per token), got {doc_ids.dtype}")
+    if doc_ids.dim() == 1: doc_ids = doc_ids[None]
+    if doc_ids.dim() != 2:
+        raise ValueError(f"doc_ids must have shape [batch, seq_len] or [seq_len], got {tuple(doc_ids.shape)}")
+    return doc_ids
+
+def packed_causal_mask(doc_ids:torch.Tensor,         # int `[batch, seq_k]` (or `[seq_k]`): the document of each key
+                       seq_len_q:Optional[int]=None, # queries = the last seq_len_q keys; None: all of them
+                       causal:bool=True,             # False: each token sees its whole document (bidirectional)
+                      ) -> torch.Tensor:             # bool `[seq_q, seq_k, batch]` (labml layout), True = may attend
+    "Block-diagonal (causal) mask of packed documents: query i sees key j when both are in the same document (and j is not after i)."
+    doc_ids = _check_doc_ids(doc_ids)
+    sk = doc_ids.shape[1]
+    sq = sk if seq_len_q is None else seq_len_q
+    if not 0 <= sq <= sk:
+        raise ValueError(f"seq_len_q must be between 0 and seq_len_k={sk} (the queries are the last keys), got {seq_len_q!r}")
+    same = doc_ids[:, sk - sq:, None] == doc_ids[:, None, :]              # [b, sq, sk]
+    if causal: same = same & torch.ones(sq, sk, dtype=torch.bool, device=doc_ids.device).tril(sk - sq)
+    return same.permute(1, 2, 0)
+
+def packed_position_ids(doc_ids:torch.Tensor, # int `[batch, seq]` (or `[seq]`), each document contiguous
+                       ) -> torch.Tensor:     # int64 `[batch, seq]`: 0, 1, 2, ... restarting at each new document
+    "Position ids that restart at 0 where the document id changes (packed sequences)."
+    doc_ids = _check_doc_ids(doc_ids)
+    n = doc_ids.shape[1]
+    idx = torch.arange(n, device=doc_ids.device).expand_as(doc_ids)
+    new = torch.ones_like(doc_ids, dtype=torch.bool)
+    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]                          # first token of each document
+    start = torch.where(new, idx, torch.zeros_like(idx)).cummax(dim=1).values  # index where the current document began
+    return idx - start
 
 # %% ../nbs/01_mha.ipynb #de349897
 def functorch_active() -> bool:

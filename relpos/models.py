@@ -245,8 +245,8 @@ def memorizing(self:DecoderLM) -> List[MemorizingAttention]:
 
 # %% ../nbs/09_models.ipynb #493a3dce
 @patch
-def _knn_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]):
-    "Check `doc_start` and the kNN memories' batch size, then empty the memories of the rows whose document starts."
+def _check_doc_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]):
+    "`doc_start` must be None or a bool `[batch]` on the parameters' device."
     if doc_start is not None:
         if not isinstance(doc_start, torch.Tensor) or doc_start.dtype != torch.bool:
             got = f"dtype {doc_start.dtype}" if isinstance(doc_start, torch.Tensor) else type(doc_start).__name__
@@ -255,6 +255,11 @@ def _knn_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]):
             raise ValueError(f"doc_start must have shape [batch={batch}], got {tuple(doc_start.shape)}")
         if doc_start.device != self.src_embed.weight.device:
             raise ValueError(f"doc_start is on {doc_start.device} but the model's parameters are on {self.src_embed.weight.device}")
+
+@patch
+def _knn_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]):
+    "Check `doc_start` and the kNN memories' batch size, then empty the memories of the rows whose document starts."
+    self._check_doc_start(batch, doc_start)
     layers = self.memorizing
     held = {a.memory.batch_size for a in layers if a.memory is not None}
     if held and held != {batch}:
@@ -351,7 +356,8 @@ def _check_length(self:DecoderLM, n_keys:int, what:str):
 
 # %% ../nbs/09_models.ipynb #7bbd2718
 @patch
-def _run(self:DecoderLM, tokens, memory, keep:Optional[int]):
+def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
+         drop:Optional[torch.Tensor]=None): # bool `[batch]`: rows that never attend `memory` (their document starts here)
     "Layers over `tokens` after `memory` (checked); returns logits and the new memory, `keep` positions long (None: all)."
     b, n = tokens.shape
     m = memory[0].shape[1] if memory else 0
@@ -359,6 +365,11 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int]):
     if self.pos_embed is not None: x = x + self.pos_embed.weight[m:m + n]   # memory only in generate: positions go on
     x = self.drop(x)
     mask = causal_mask(n, m + n, device=tokens.device)
+    if m and drop is not None and bool(drop.any()):
+        # a flagged row's memory is its previous document: its queries see only their own segment, as in a fresh call
+        # (positions inside the segment are relative to each other alike); one mask per row, [batch, n, m + n]
+        mask = mask.expand(b, n, m + n).clone()
+        mask[drop, :, :m] = False
     new_memory = []
     for i, layer in enumerate(self.layers):
         mem = memory[i] if memory else None
@@ -375,7 +386,7 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int]):
 @patch
 def forward(self:DecoderLM, tokens:torch.Tensor,      # token ids `[batch, seq_len]`
             memory:Optional[List[torch.Tensor]]=None, # the memory returned by the previous call (None or []: none)
-            doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first)
+            doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first, their XL memory is not attended)
            ) -> Tuple[torch.Tensor, List[torch.Tensor]]: # logits `[batch, seq_len, n_vocab]`, next memory (`[]` if `mem_len=0`)
     "Logits for `tokens` after `memory`, and the next memory: each layer's inputs on the last `mem_len` positions, detached."
     self._check_tokens(tokens)
@@ -387,10 +398,20 @@ def forward(self:DecoderLM, tokens:torch.Tensor,      # token ids `[batch, seq_l
                              f"pass memory=None")
         m = self._check_memory(memory, tokens.shape[0])
     if tokens.shape[1]: self._check_length(m + tokens.shape[1], 'tokens seq_len + memory length' if m else 'tokens seq_len')
+    self._check_doc_start(tokens.shape[0], doc_start)
+    if m and doc_start is not None and bool(doc_start.any()):
+        if bool(doc_start.all()): memory, m = None, 0   # every row starts a document: none attends the memory
+        elif self.mem_len > tokens.shape[1]:
+            # the memory returned would keep mem_len - seq_len positions of a flagged row's previous document, which
+            # the next call would attend: refused rather than leaked
+            raise ValueError(f"doc_start: rows {doc_start.nonzero().flatten().tolist()} start a document, but with "
+                             f"mem_len={self.mem_len} > tokens seq_len={tokens.shape[1]} the memory returned would keep "
+                             f"their previous document; start documents in calls of seq_len >= mem_len, or in every "
+                             f"row at once (doc_start all True drops the whole memory)")
     self._knn_start(tokens.shape[0], doc_start)   # last: a refused call changes no memory
     if tokens.shape[1] == 0:  # nothing to attend from: empty logits, memory unchanged
         return self.generator(self.norm(self.src_embed(tokens))), ([] if memory is None else list(memory))
-    return self._run(tokens, memory, self.mem_len)
+    return self._run(tokens, memory, self.mem_len, doc_start)
 
 # %% ../nbs/09_models.ipynb #d35cbcce
 @patch
@@ -399,7 +420,7 @@ def generate(self:DecoderLM, prompt:torch.Tensor, # token ids `[batch, seq_len]`
              temperature:float=1.0,         # divides the logits; 0: greedy (argmax)
              top_k:Optional[int]=None,      # sample among the `top_k` most likely tokens only
              generator:Optional[torch.Generator]=None, # random numbers for the sampling
-             doc_start:Optional[torch.Tensor]=None, # bool `[batch]`: rows whose document starts with the prompt (kNN memories emptied first)
+             doc_start:Optional[torch.Tensor]=None, # bool `[batch]`: rows whose document starts with the prompt (kNN memories emptied first; generate starts with no XL memory)
             ) -> torch.Tensor:              # `[batch, seq_len + max_new_tokens]`
     "Sample continuations; each layer's earlier inputs are cached, so a new token costs one position, not the whole prefix."
     self._check_tokens(prompt, 'prompt')

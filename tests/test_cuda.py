@@ -88,3 +88,55 @@ def test_xl_kernel_ops_do_not_grow_with_batch_and_heads():
         mask = torch.ones(256, 256, dtype=torch.bool, device='cuda').tril()[None, None]
         counts.append(ops_per_call(lambda: relative_attention(qu, qp, k, v, R, S, mask=mask, chunk_size=64).sum().backward()))
     assert counts[0] == counts[1], counts
+
+
+# ---------------------------------------------------------------- the bias methods' FlexAttention route
+import relpos.bias
+from unittest import mock
+from relpos.alibi import ALiBiMultiHeadAttention
+from relpos.fourier import FourierMultiHeadAttention
+from relpos.t5 import T5MultiHeadAttention
+
+FLEX_LAYERS = {
+    'alibi': lambda: ALiBiMultiHeadAttention(4, 64, dropout_prob=0.0),
+    'alibi_bidirectional': lambda: ALiBiMultiHeadAttention(4, 64, dropout_prob=0.0, bidirectional=True),
+    't5': lambda: T5MultiHeadAttention(4, 64, dropout_prob=0.0),
+    'fourier': lambda: FourierMultiHeadAttention(4, 64, dropout_prob=0.0, max_number_of_keys=256, position_vector_size=16),
+}
+
+
+def _flex_masks(kind, nq, nk):
+    if kind == 'none': return None
+    if kind == 'causal': return torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)[..., None]   # with memory when nk > nq
+    pad = torch.ones(1, nk, 2, dtype=torch.bool); pad[:, -37:, 1] = False                        # padding, causal too
+    return pad & torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)[..., None]
+
+
+@pytest.mark.skipif(not relpos.bias.flex_available(), reason="no FlexAttention in this torch")
+@pytest.mark.parametrize('kind,nq,nk', [('none', 300, 300), ('causal', 300, 300), ('causal', 300, 364), ('padding', 300, 300)])
+@pytest.mark.parametrize('name', list(FLEX_LAYERS))
+def test_cuda_flex_route(name, kind, nq, nk):
+    "On CUDA in float32 the bias layers run FlexAttention (score_mod on the distance table, a BlockMask), and give the float64 CPU readable path's output and gradients, the position parameters' included."
+    torch.manual_seed(0)
+    ref = FLEX_LAYERS[name]().double()
+    with torch.no_grad():
+        for p in ref.parameters(): p.add_(0.1 * torch.randn_like(p))
+    gpu = copy.deepcopy(ref).float().cuda()
+    x, kv = torch.randn(nq, 2, 64, dtype=torch.float64), torch.randn(nk, 2, 64, dtype=torch.float64)
+    mask = _flex_masks(kind, nq, nk)
+
+    def run(layer, x, kv, mask, need_weights):
+        x, kv = x.clone().requires_grad_(), kv.clone().requires_grad_()
+        layer.zero_grad()
+        out = layer(query=x, key=kv, value=kv, mask=mask, need_weights=need_weights)
+        w = torch.linspace(-1, 1, out.numel(), device=out.device, dtype=out.dtype).view_as(out)
+        (out * w).sum().backward()
+        return [out.detach(), x.grad, kv.grad] + [p.grad for p in layer.parameters() if p.grad is not None]
+
+    want = run(ref, x, kv, mask, True)
+    with mock.patch.object(relpos.bias, 'flex_bias_attention', wraps=relpos.bias.flex_bias_attention) as spy:
+        got = run(gpu, x.float().cuda(), kv.float().cuda(), None if mask is None else mask.cuda(), False)
+    assert spy.call_count == 1
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert (a.double().cpu() - b).norm() <= 1e-4 * b.norm() + 1e-4, (name, kind, (a.double().cpu() - b).norm().item(), b.norm().item())

@@ -484,8 +484,8 @@ print('ok')
 @given(causal=st.booleans(), nq=st.integers(1, 40), mem=st.integers(0, 12), batch=st.integers(1, 2),
        seed=st.integers(0, 1000))
 def test_property_layer_toeplitz_path_matches_readable(causal, nq, mem, batch, seed):
-    "No mask or the causal one: the layer hands the distance table to relpos.t5's Toeplitz kernel; float64 values and every gradient equal the readable path's."
-    from relpos import t5 as t5_mod
+    "No mask or the causal one: the layer hands the distance table to relpos.bias's Toeplitz kernel; float64 values and every gradient equal the readable path's."
+    from relpos import bias as bias_mod
     nk = nq + mem
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -497,7 +497,7 @@ def test_property_layer_toeplitz_path_matches_readable(causal, nq, mem, batch, s
     res = []
     for need_weights in (True, False):
         layer.zero_grad()
-        with mock.patch.object(t5_mod, 'toeplitz_attention', wraps=t5_mod.toeplitz_attention) as spy:
+        with mock.patch.object(bias_mod, 'toeplitz_attention', wraps=bias_mod.toeplitz_attention) as spy:
             out = layer(query=x, key=kv, value=kv, mask=mask, need_weights=need_weights)
         assert spy.call_count == (0 if need_weights else 1)
         (out * w).sum().backward()

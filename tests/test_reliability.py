@@ -492,6 +492,113 @@ def _(mod):
     return raises(lambda: mod.apply_rotary(torch.randn(3, 4), cos, sin), "rotary_dim")
 
 
+# ---------------------------------------------------------------- grouped-query heads, rope_scaling, position ids
+@case(*R_, "kv_heads not dividing heads")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(4, D, kv_heads=3), "kv_heads")
+
+
+@case(*R_, "kv_heads 0")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(4, D, kv_heads=0), "kv_heads")
+
+
+@case(*R_, "head_dim not positive")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, head_dim=0), "head_dim")
+
+
+@case(*R_, "rope_scaling unknown rope_type (lists the valid ones)")
+def _(mod):
+    out = raises(lambda: mod.RotaryMultiHeadAttention(H, D, rope_scaling={'rope_type': 'ntk-by-parts'}), "rope_type")
+    try: mod.RotaryMultiHeadAttention(H, D, rope_scaling={'rope_type': 'ntk-by-parts'})
+    except ValueError as e:
+        if not all(t in str(e) for t in ('default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3')):
+            raise Fail(f"the error does not list the valid rope_types: {e}")
+    return out
+
+
+@case(*R_, "rope_scaling missing a required key")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, rope_scaling={'rope_type': 'llama3', 'factor': 8.0}),
+                          "original_max_position_embeddings")
+
+
+@case(*R_, "rope_scaling unknown key")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, rope_scaling={'rope_type': 'linear', 'factor': 2.0,
+                                                                                    'scale': 2.0}), "rope_scaling")
+
+
+@case(*R_, "rope_scaling not a dict")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, rope_scaling='yarn'), "rope_scaling")
+
+
+@case(*R_, "rope_scaling dynamic without max_position_embeddings")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, rope_scaling={'rope_type': 'dynamic', 'factor': 2.0}),
+                          "max_position_embeddings")
+
+
+@case(*R_, "rope_scaling longrope factor lists of the wrong length")
+def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(H, D, rope_scaling={
+    'rope_type': 'longrope', 'original_max_position_embeddings': 8, 'factor': 2.0,
+    'short_factor': [1.0] * 5, 'long_factor': [1.0] * 5}), "short_factor")
+
+
+def _ids_call(mod, cls, position_ids, **kw):
+    m = _randomize(getattr(mod, cls)(H, D, dropout_prob=0.0, **kw))
+    q, kv = _qkv(sq=5, sk=7)
+    return lambda: m(query=q, key=kv, value=kv, position_ids=position_ids)
+
+
+for _m, _cls in (("rotary", "RotaryMultiHeadAttention"), ("alibi", "ALiBiMultiHeadAttention"), ("t5", "T5MultiHeadAttention")):
+    @case(_m, _cls, "position_ids wrong length")
+    def _(mod, _cls=_cls): return raises(_ids_call(mod, _cls, torch.arange(5)), "position_ids")
+
+    @case(_m, _cls, "position_ids wrong batch")
+    def _(mod, _cls=_cls): return raises(_ids_call(mod, _cls, torch.arange(7).expand(2, 7)), "position_ids")
+
+    @case(_m, _cls, "position_ids float")
+    def _(mod, _cls=_cls): return raises(_ids_call(mod, _cls, torch.arange(7.)), "position_ids")
+
+    @case(_m, _cls, "position_ids 3-d")
+    def _(mod, _cls=_cls): return raises(_ids_call(mod, _cls, torch.arange(7)[None, None]), "position_ids")
+
+    @case(_m, _cls, "position_ids a list")
+    def _(mod, _cls=_cls): return raises(_ids_call(mod, _cls, list(range(7))), "position_ids")
+
+    @case(_m, _cls, "position_ids == index positions")
+    def _(mod, _cls=_cls):
+        m = _randomize(getattr(mod, _cls)(H, D, dropout_prob=0.0))
+        q, kv = _qkv(sq=5, sk=7)
+        for nw in (False, True):
+            close(m(query=q, key=kv, value=kv, position_ids=torch.arange(7), need_weights=nw),
+                  m(query=q, key=kv, value=kv, need_weights=nw), 1e-5, "position_ids=arange vs none")
+        return "ok (== no ids, both paths)"
+
+
+@case("alibi", "ALiBiMultiHeadAttention", "decreasing position_ids a query sees (causal)")
+def _(mod): return raises(_ids_call(mod, "ALiBiMultiHeadAttention", torch.tensor([0, 1, 2, 3, 0, 1, 2])), "position_ids")
+
+
+@case("t5", "T5MultiHeadAttention", "decreasing position_ids a query sees (decoder)")
+def _(mod): return raises(_ids_call(mod, "T5MultiHeadAttention", torch.tensor([0, 1, 2, 3, 0, 1, 2])), "position_ids")
+
+
+@case("mha", "MultiHeadAttention", "position_ids on the plain layer")
+def _(mod):
+    m = _randomize(mod.MultiHeadAttention(H, D, dropout_prob=0.0))
+    q, kv = _qkv()
+    return raises(lambda: m(query=q, key=kv, value=kv, position_ids=torch.arange(7)), "position_ids")
+
+
+@case("mha", "MultiHeadAttention", "kv_heads not dividing heads")
+def _(mod): return raises(lambda: mod.MultiHeadAttention(4, D, kv_heads=3), "kv_heads")
+
+
+@case("mha", "packed_causal_mask", "doc_ids float")
+def _(mod): return raises(lambda: mod.packed_causal_mask(torch.zeros(2, 5)), "doc_ids")
+
+
+@case("mha", "packed_position_ids", "doc_ids 3-d")
+def _(mod): return raises(lambda: mod.packed_position_ids(torch.zeros(1, 2, 5, dtype=torch.long)), "doc_ids")
+
+
 # ================================================================ relpos.alibi
 A_ = ("alibi", "ALiBiMultiHeadAttention")
 

@@ -249,7 +249,7 @@ def test_dropout_training_path_runs(): check_dropout_training_path_runs(make(dro
 @pytest.mark.parametrize("call, exc, match", [
     (lambda: RotaryMultiHeadAttention(4, 32, rotary_dim=3), ValueError, "rotary_dim must be a positive even int"),
     (lambda: RotaryMultiHeadAttention(4, 32, rotary_dim=0), ValueError, "rotary_dim must be a positive even int"),
-    (lambda: RotaryMultiHeadAttention(4, 32, rotary_dim=10), ValueError, r"rotary_dim must be <= d_k = d_model // heads = 8, got 10"),
+    (lambda: RotaryMultiHeadAttention(4, 32, rotary_dim=10), ValueError, r"rotary_dim must be <= d_k \(head_dim, d_model // heads by default\) = 8, got 10"),
     (lambda: RotaryMultiHeadAttention(4, 32, rotary_dim=4.0), TypeError, "rotary_dim must be an int"),
     (lambda: RotaryMultiHeadAttention(4, 32, base=1), ValueError, "base must be"),
     (lambda: RotaryMultiHeadAttention(4, 32, base=float('inf')), ValueError, "base must be"),

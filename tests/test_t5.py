@@ -136,7 +136,9 @@ def test_fast_equals_readable(nq, extra, batch, heads, bidirectional, mask_kind,
     fast, readable = _fast_and_readable(m, q, kv, mask)
     for a, b in zip(fast, readable):
         assert torch.isfinite(a).all()
-        assert rel_err(a, b) <= 1e-10
+        # absolute for a gradient that is 0 in exact arithmetic (one key: the softmax ignores the bias), where both
+        # paths return rounding noise and a relative error divides by it
+        assert rel_err(a, b) <= 1e-10 or (a - b).abs().max() <= 1e-14
 
 
 def test_fast_equals_readable_many_blocks_and_workers():

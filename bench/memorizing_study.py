@@ -1,0 +1,321 @@
+"""The study behind the Memorizing Transformer chapter's section "On real long documents" (nbs/10_memorizing.ipynb):
+does a kNN memory lower bits per byte on long documents, how much memory, and how does it combine with the
+Transformer-XL cache?
+
+    python -m bench.memorizing_study            # every run not yet stored (`make memorizing-study`): resumable
+    python -m bench.memorizing_study --list     # the runs and which are stored
+    python -m bench.memorizing_study --pilot    # a few steps of each setting: what a step costs
+
+Corpus: the Python standard library's own source files of at least 16 KB, one document per file, split into
+training and validation by a hash of the file's path; the list of files with their sha256 is stored in
+nbs/data/memorizing_corpus.json, so that another Python (other files) is detected and reported. Byte tokens.
+
+Each run is stored as soon as it finishes in nbs/data/memorizing_study/<label>__seed<k>.json; runs already stored
+are skipped, so an interrupted study continues where it stopped. At most two runs at once, one thread each.
+"""
+import argparse, hashlib, json, math, os, statistics, sys, sysconfig, time
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / 'nbs' / 'data'
+MANIFEST = DATA / 'memorizing_corpus.json'
+RESULTS = DATA / 'memorizing_study'
+MIN_BYTES = 16384          # a document is a stdlib source file of at least 16 KB
+VAL_EVERY = 10             # about 1 file in 10 is validation (by a hash of its path, not by its position in a list)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Corpus: the standard library's long source files
+# ---------------------------------------------------------------------------------------------------------------
+def stdlib_root() -> Path: return Path(sysconfig.get_paths()['stdlib'])
+
+def corpus_paths(root=None, min_bytes:int=MIN_BYTES) -> list:
+    "Sorted relative paths of the `.py` files of at least `min_bytes` under the stdlib directory (no site-packages)."
+    root = Path(root or stdlib_root())
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ('site-packages', 'dist-packages', '__pycache__'))
+        for f in filenames:
+            p = Path(dirpath) / f
+            if f.endswith('.py') and p.is_file() and not p.is_symlink() and p.stat().st_size >= min_bytes:
+                out.append(p.relative_to(root).as_posix())
+    return sorted(out)
+
+def split_of(relpath:str) -> str:
+    "'val' for about one path in `VAL_EVERY`, chosen by the sha256 of the path (stable whatever else the directory holds)."
+    h = int(hashlib.sha256(relpath.encode('utf-8')).hexdigest()[:8], 16)
+    return 'val' if h % VAL_EVERY == 0 else 'train'
+
+def build_manifest(root=None) -> dict:
+    "What the corpus is on this interpreter: every file with its size, sha256 and split, and one checksum of the list."
+    root = Path(root or stdlib_root())
+    files = []
+    for rel in corpus_paths(root):
+        b = (root / rel).read_bytes()
+        files.append([rel, len(b), hashlib.sha256(b).hexdigest(), split_of(rel)])
+    listing = '\n'.join(' '.join(map(str, f)) for f in files).encode()
+    return {'python': sys.version.split()[0], 'implementation': sys.implementation.name, 'min_bytes': MIN_BYTES,
+            'rule': f'stdlib *.py files >= {MIN_BYTES} bytes (no site-packages), sorted by relative path; '
+                    f'validation iff int(sha256(path)[:8], 16) % {VAL_EVERY} == 0',
+            'files': files, 'sha256': hashlib.sha256(listing).hexdigest(),
+            'bytes': {s: sum(f[1] for f in files if f[3] == s) for s in ('train', 'val')},
+            'documents': {s: sum(f[3] == s for f in files) for s in ('train', 'val')}}
+
+def compare_manifests(stored:dict, here:dict) -> list:
+    "Differences between the stored corpus and this interpreter's, as sentences (empty: the same bytes)."
+    if stored['sha256'] == here['sha256']: return []
+    out = [] if stored['python'] == here['python'] else [f"stored corpus from Python {stored['python']}, this is {here['python']}"]
+    a, b = {f[0]: f for f in stored['files']}, {f[0]: f for f in here['files']}
+    if set(a) - set(b): out.append(f"{len(set(a) - set(b))} stored files missing here")
+    if set(b) - set(a): out.append(f"{len(set(b) - set(a))} files here not in the stored list")
+    changed = [p for p in set(a) & set(b) if a[p][2] != b[p][2]]
+    if changed: out.append(f"{len(changed)} files differ in content")
+    return out
+
+def load_corpus(root=None, manifest=None) -> dict:
+    """`{'train': [bytes, ...], 'val': [bytes, ...]}` in manifest order, read from this interpreter's stdlib. With a
+    stored `manifest`, only its files are read and each is checked against its sha256 (a mismatch raises)."""
+    root = Path(root or stdlib_root())
+    if manifest is None: manifest = build_manifest(root)
+    out = {'train': [], 'val': []}
+    for rel, size, sha, split in manifest['files']:
+        p = root / rel
+        if not p.exists(): raise FileNotFoundError(f"corpus file {rel} (Python {manifest['python']}) is missing here")
+        b = p.read_bytes()
+        if hashlib.sha256(b).hexdigest() != sha:
+            raise ValueError(f"corpus file {rel} differs from the stored one (Python {manifest['python']}, "
+                             f"this is {sys.version.split()[0]}): sha256 mismatch")
+        out[split].append(b)
+    return out
+
+def stored_manifest() -> dict: return json.loads(MANIFEST.read_text())
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading documents segment by segment
+# ---------------------------------------------------------------------------------------------------------------
+IGNORE = -100   # target of a padding position: never scored
+
+def doc_segments(doc:bytes, seq:int):
+    """The (input, target) segments of one document: inputs `doc[:-1]`, targets `doc[1:]`, cut into `seq` bytes;
+    the last segment is padded (input 0, target IGNORE). A segment never holds bytes of two documents."""
+    t = torch.frombuffer(bytearray(doc), dtype=torch.uint8).long()
+    x, y = t[:-1], t[1:]
+    n = -(-len(x) // seq) * seq
+    xp = torch.zeros(n, dtype=torch.long); xp[:len(x)] = x
+    yp = torch.full((n,), IGNORE, dtype=torch.long); yp[:len(y)] = y
+    return xp.view(-1, seq), yp.view(-1, seq)
+
+class DocStream:
+    """`batch` rows, each reading whole documents one segment per step, in a fixed shuffled order (`data_seed`):
+    row r takes documents r, r + batch, r + 2 batch, ... of the order, cycling. `next()` gives inputs and targets
+    `[batch, seq]` and `doc_start` `[batch]` (True where a row's segment is the first of a document), as meliad's
+    long-document tasks do: a new document in a row empties that row's memories."""
+    def __init__(self, docs:list, batch:int, seq:int, data_seed:int=0):
+        self.docs, self.batch, self.seq = docs, batch, seq
+        g = torch.Generator().manual_seed(data_seed)
+        self.order = torch.randperm(len(docs), generator=g).tolist()
+        self.taken = 0                        # documents handed out so far
+        self.rows = [None] * batch            # per row: (x segments, y segments, next segment index)
+    def _next_doc(self):
+        d = self.docs[self.order[self.taken % len(self.order)]]; self.taken += 1
+        return list(doc_segments(d, self.seq)) + [0]
+    def next(self):
+        xs, ys, start = [], [], []
+        for r in range(self.batch):
+            if self.rows[r] is None or self.rows[r][2] == len(self.rows[r][0]):
+                self.rows[r] = self._next_doc(); start.append(True)
+            else: start.append(False)
+            x, y, i = self.rows[r]
+            xs.append(x[i]); ys.append(y[i]); self.rows[r][2] = i + 1
+        return torch.stack(xs), torch.stack(ys), torch.tensor(start)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation: bits per byte on validation documents, by byte offset in the document
+# ---------------------------------------------------------------------------------------------------------------
+BUCKETS = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768)   # bucket i: byte offsets [BUCKETS[i], BUCKETS[i+1])
+
+def eval_batch(docs:list, seq:int, max_bytes:int):
+    "Validation documents as rows, each cut to `max_bytes` and padded: inputs, targets `[rows, n_seg, seq]` and target offsets."
+    segs = [doc_segments(d[:max_bytes + 1], seq) for d in docs]
+    n = max(len(s[0]) for s in segs)
+    x = torch.zeros(len(docs), n, seq, dtype=torch.long)
+    y = torch.full((len(docs), n, seq), IGNORE, dtype=torch.long)
+    for r, (xs, ys) in enumerate(segs): x[r, :len(xs)], y[r, :len(ys)] = xs, ys
+    return x, y
+
+@torch.no_grad()
+def evaluate(model, docs:list, seq:int, max_bytes:int, buckets=BUCKETS) -> dict:
+    """Read every validation document (rows in parallel) segment by segment from a fresh memory (`doc_start` on the
+    first segment); the summed negative log-likelihood in bits and the count of scored bytes, in total and per bucket
+    of the target's byte offset in its document (offset of the target byte: 1, 2, ...)."""
+    was = model.training; model.eval()
+    x, y = eval_batch(docs, seq, max_bytes)
+    rows, n_seg, _ = x.shape
+    edges = torch.tensor(buckets[1:-1])
+    nll = torch.zeros(len(buckets) - 1, dtype=torch.float64); cnt = torch.zeros(len(buckets) - 1, dtype=torch.long)
+    memory = None
+    for s in range(n_seg):
+        start = torch.full((rows,), s == 0)
+        logits, memory = model(x[:, s], memory, doc_start=start) if getattr(model, 'memorizing_layers', ()) or model.mem_len \
+            else model(x[:, s])
+        t = y[:, s]
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), t.reshape(-1), ignore_index=IGNORE,
+                               reduction='none').view_as(t).double()
+        offset = (s * seq + 1 + torch.arange(seq)).expand_as(t).contiguous()   # the target byte's offset in its document
+        b = torch.bucketize(offset, edges, right=True)
+        keep = t != IGNORE
+        nll.index_add_(0, b[keep], loss[keep]); cnt.index_add_(0, b[keep], torch.ones_like(b[keep]))
+    model.train(was)
+    return {'bits': (nll.sum() / math.log(2)).item(), 'bytes': int(cnt.sum()),
+            'bucket_bits': (nll / math.log(2)).tolist(), 'bucket_bytes': cnt.tolist(), 'buckets': list(buckets)}
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------------------------
+def lr_at(step:int, steps:int, lr:float, warmup:int) -> float:
+    "Linear warm-up, then cosine decay to a tenth of `lr` (bench.study's schedule)."
+    if step < warmup: return lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+def build_model(seq:int, d_model:int, heads:int, n_layers:int, position:str, mem_len:int=0, knn_mult:int=0,
+                knn_layer:int=None, top_k:int=32, faiss:bool=False, **_):
+    "The study's `DecoderLM`; `knn_mult` > 0: one kNN layer (`knn_layer`) of `knn_mult * seq` entries per row and head."
+    from relpos.models import DecoderLM
+    extra = {}
+    if knn_mult:
+        extra = dict(memorizing_layers=(knn_layer,), knn_capacity=knn_mult * seq, top_k=top_k)
+        if faiss:
+            from relpos.memorizing import FaissKNNMemory
+            extra.update(knn_memory=FaissKNNMemory)
+    return DecoderLM(256, d_model=d_model, heads=heads, n_layers=n_layers, position=position, mem_len=mem_len,
+                     max_len=seq, **extra)
+
+def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, heads:int, n_layers:int,
+              position:str, lr:float, warmup:int, eval_docs:int, eval_bytes:int, eval_every:int=0, **setting) -> dict:
+    "Train one setting from scratch on the training documents, then evaluate it on the validation documents."
+    torch.set_num_threads(1)
+    corpus = load_corpus(manifest=stored_manifest())
+    torch.manual_seed(seed)
+    model = build_model(seq, d_model, heads, n_layers, position, **setting)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    stream = DocStream(corpus['train'], batch, seq, data_seed=0)   # the same bytes for every setting and seed
+    val = corpus['val'][:eval_docs]
+    stateful = bool(setting.get('knn_mult') or setting.get('mem_len'))
+    memory, times, cpu, train_bits, curve = None, [], [], [], []
+    t_start, cpu_start = time.time(), time.process_time()
+    for step in range(steps):
+        x, y, start = stream.next()
+        for g in opt.param_groups: g['lr'] = lr_at(step, steps, lr, warmup)
+        t0, c0 = time.perf_counter(), time.process_time()
+        logits, memory = model(x, memory, doc_start=start) if stateful else model(x)
+        loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), ignore_index=IGNORE)
+        total = loss + model.get_loss_component() if model.memorizing_layers else loss
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        times.append(time.perf_counter() - t0); cpu.append(time.process_time() - c0)
+        train_bits.append(loss.item() / math.log(2))
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            e = evaluate(model, val[:8], seq, min(eval_bytes, 4096))
+            curve.append((step + 1, e['bits'] / e['bytes']))
+    train_seconds, train_cpu = time.time() - t_start, time.process_time() - cpu_start
+    t0 = time.time()
+    ev = evaluate(model, val, seq, eval_bytes)
+    return {'label': label, 'seed': seed, 'setting': setting, 'bpb': ev['bits'] / ev['bytes'], 'eval': ev,
+            'curve': curve, 'train_bpb': [round(v, 4) for v in train_bits],
+            # one thread: CPU time per step is the work, wall time adds the waits of a shared machine
+            'step_time': statistics.median(times[20:] or times), 'step_times_mean': statistics.mean(times),
+            'step_cpu': statistics.median(cpu[20:] or cpu), 'step_cpu_mean': statistics.mean(cpu),
+            'train_seconds': train_seconds, 'train_cpu_seconds': train_cpu, 'eval_seconds': time.time() - t0,
+            'params': sum(p.numel() for p in model.parameters()), 'torch': torch.__version__,
+            'python': sys.version.split()[0], 'date': time.strftime('%Y-%m-%d %H:%M')}
+
+# ---------------------------------------------------------------------------------------------------------------
+# The study
+# ---------------------------------------------------------------------------------------------------------------
+SEQ = 128
+N_LAYERS = 4
+MELIAD_LAYER = 2     # meliad: the 9th of 12 layers (memory_layer_indices=(-4,)), 3/4 of the depth -> layer 2 of 0..3
+OTHER_LAYER = 0      # meliad's literal index -4 in a 4-layer model: the bottom layer
+COMMON = dict(steps=400, batch=8, seq=SEQ, d_model=128, heads=4, n_layers=N_LAYERS, position='xl_paper', lr=2e-3,
+              warmup=20, eval_docs=16, eval_bytes=16384)
+
+def settings() -> dict:
+    "label -> the keyword arguments that make the setting (on top of `COMMON`)."
+    knn = lambda mult, **kw: dict(knn_mult=mult, knn_layer=MELIAD_LAYER, top_k=32, **kw)
+    return {
+        'none': dict(),
+        'xl': dict(mem_len=SEQ),
+        'knn 1x': knn(1), 'knn 4x': knn(4), 'knn 16x': knn(16), 'knn 64x': knn(64),
+        'knn 16x + xl': knn(16, mem_len=SEQ),
+        'knn 16x top-128': dict(knn(16), top_k=128),
+        f'knn 16x layer {OTHER_LAYER}': dict(knn(16), knn_layer=OTHER_LAYER),
+        'knn 64x faiss': knn(64, faiss=True),
+    }
+
+def run_file(label:str, seed:int) -> Path: return RESULTS / f"{label.replace(' ', '_').replace('+', 'plus')}__seed{seed}.json"
+
+def all_runs(seeds=(0, 1), common=None) -> list:
+    "Every (setting, seed), seeds outermost: a study stopped half-way has every setting at seed 0."
+    common = common or COMMON
+    return [dict(label=l, seed=s, **common, **kw) for s in seeds for l, kw in settings().items()]
+
+def _worker(kw:dict) -> dict:
+    out = Path(kw.pop('out_dir'))
+    try: r = train_run(**kw)
+    except Exception as e:   # a failed run is reported, never silently dropped (and not stored: rerun retries it)
+        import traceback; traceback.print_exc()
+        return {'label': kw['label'], 'seed': kw['seed'], 'error': f"{type(e).__name__}: {e}"}
+    f = out / run_file(kw['label'], kw['seed']).name
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix('.tmp'); tmp.write_text(json.dumps(r)); tmp.replace(f)   # never a half-written result
+    print(f"{time.strftime('%H:%M:%S')} done {kw['label']} seed {kw['seed']}: {r['bpb']:.4f} bpb, "
+          f"step {r['step_time'] * 1e3:.0f} ms, train {r['train_seconds']:.0f} s, eval {r['eval_seconds']:.0f} s", flush=True)
+    return r
+
+def load_results(path=None) -> list:
+    "Every stored run (one JSON file each)."
+    return [json.loads(p.read_text()) for p in sorted(Path(path or RESULTS).glob('*.json'))]
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--workers', type=int, default=2)
+    ap.add_argument('--seeds', type=int, default=2)
+    ap.add_argument('--list', action='store_true', help='print the runs and which are stored')
+    ap.add_argument('--pilot', type=int, default=0, help='time this many steps of every setting (nothing stored)')
+    ap.add_argument('--out', default=None, help=f'directory of the stored runs (default {RESULTS.relative_to(ROOT)})')
+    ap.add_argument('--manifest', action='store_true', help='(re)write nbs/data/memorizing_corpus.json from this Python')
+    a = ap.parse_args(argv)
+    if a.manifest or not MANIFEST.exists():
+        MANIFEST.write_text(json.dumps(build_manifest(), indent=0)); print(f"wrote {MANIFEST}")
+    diff = compare_manifests(stored_manifest(), build_manifest())
+    if diff: sys.exit("the stored corpus is not this interpreter's: " + '; '.join(diff) +
+                      " (rerun with --manifest to study this Python's stdlib instead, and delete the stored runs)")
+    runs = all_runs(tuple(range(a.seeds)))
+    if a.pilot:
+        for r in runs[:len(settings())]:
+            r.update(steps=a.pilot, eval_docs=2, eval_bytes=1024)
+            t0 = time.time(); out = train_run(**r)
+            print(f"{r['label']}: step {out['step_time'] * 1e3:.0f} ms (mean {out['step_times_mean'] * 1e3:.0f}), "
+                  f"eval {out['eval_seconds']:.1f} s, total {time.time() - t0:.1f} s", flush=True)
+        return
+    out = Path(a.out or RESULTS)
+    todo = [dict(r, out_dir=str(out)) for r in runs if not (out / run_file(r['label'], r['seed']).name).exists()]
+    stored = {(r['label'], r['seed']) for r in runs} - {(r['label'], r['seed']) for r in todo}
+    if a.list:
+        for r in runs: print(('stored ' if (r['label'], r['seed']) in stored else 'todo   ') + f"{r['label']} seed {r['seed']}")
+        return
+    print(f"{len(runs) - len(todo)} of {len(runs)} runs stored; running {len(todo)}", flush=True)
+    if todo:
+        os.environ['OMP_NUM_THREADS'] = '1'
+        with get_context('spawn').Pool(min(a.workers, len(todo)), maxtasksperchild=1) as pool:
+            results = pool.map(_worker, todo, chunksize=1)
+        failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for r in results if 'error' in r]
+        if failed: sys.exit("failed runs (not stored; rerun to retry):\n" + '\n'.join(failed))
+
+if __name__ == '__main__': main()

@@ -1,0 +1,212 @@
+"""The Memorizing Transformer study on long documents (bench/memorizing_study.py) and what it relies on:
+`doc_start` drops a row's Transformer-XL memory as well as its kNN memory; memories never cross documents;
+the no-memory score is the ordinary model's; the corpus, its split and its checksums are deterministic."""
+import copy, hashlib, math
+import pytest
+import torch
+import torch.nn.functional as F
+from relpos.models import DecoderLM, POSITIONS
+import bench.memorizing_study as S
+
+V = 13
+
+
+def _lm(position='xl_paper', seed=0, **kw):
+    torch.manual_seed(seed)
+    kw = dict(dict(d_model=16, heads=2, n_layers=2, max_len=8, mem_len=8), **kw)
+    lm = DecoderLM(V, position=position, **kw).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():   # perturb every parameter: zero-initialised tables and biases make checks vacuous
+        for p in lm.parameters(): p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return lm
+
+
+@pytest.mark.parametrize('position', [p for p in POSITIONS if p != 'absolute'])
+@pytest.mark.parametrize('knn', [False, True])
+def test_doc_start_drops_the_xl_memory_of_that_row_only(position, knn):
+    "A row flagged in doc_start gives the logits of a fresh call (no memory); the other rows are unchanged."
+    if knn and position == 'shaw': pytest.skip('shaw cannot be a kNN layer')
+    lm = _lm(position, **(dict(memorizing_layers=(1,), knn_capacity=32, top_k=4) if knn else {}))
+    g = torch.Generator().manual_seed(2)
+    first, x = torch.randint(0, V, (3, 8), generator=g), torch.randint(0, V, (3, 8), generator=g)
+    flags = torch.tensor([False, True, False])
+    with torch.no_grad():
+        _, memory = lm(first, doc_start=torch.ones(3, dtype=torch.bool))
+        kept, fresh = copy.deepcopy(lm), copy.deepcopy(lm)
+        got, new_memory = lm(x, memory, doc_start=flags)
+        want_kept, _ = kept(x, memory)                                    # nothing starts: memory attended
+        if knn: fresh.release_knn_memory()
+        want_new, want_mem = fresh(x[1:2], doc_start=torch.tensor([True]))  # a fresh call, row 1 alone
+    torch.testing.assert_close(got[[0, 2]], want_kept[[0, 2]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1:2], want_new, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[1], want_kept[1], atol=1e-3)            # the memory did matter
+    for a, b in zip(new_memory, want_mem):                                # the next memory is this segment's only
+        torch.testing.assert_close(a[1:2], b)
+
+
+def test_doc_start_every_row_drops_the_whole_memory_and_longer_memory_is_refused():
+    lm = _lm('xl', mem_len=16)
+    x = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, memory = lm(x)
+        _, memory = lm(x, memory)
+        got, mem = lm(x, memory, doc_start=torch.ones(2, dtype=torch.bool))
+        want, want_mem = lm(x)
+    torch.testing.assert_close(got, want)
+    assert [t.shape for t in mem] == [t.shape for t in want_mem]
+    # mem_len 16 > seq_len 8: the returned memory would keep 8 positions of the old document in row 0: refused
+    before = [t.clone() for t in memory]
+    with pytest.raises(ValueError, match='mem_len=16 > tokens seq_len=8'):
+        lm(x, memory, doc_start=torch.tensor([True, False]))
+    assert all(torch.equal(a, b) for a, b in zip(before, memory))
+
+
+def test_generate_doc_start_equals_a_fresh_model():
+    "generate keeps no XL memory between calls: a row that starts a document sees only its prompt (kNN emptied)."
+    lm = _lm('xl_paper', memorizing_layers=(1,), knn_capacity=32, top_k=4, mem_len=8)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        lm(torch.randint(0, V, (2, 8), generator=g), doc_start=torch.ones(2, dtype=torch.bool))
+    fresh = copy.deepcopy(lm); fresh.release_knn_memory()
+    prompt = torch.randint(0, V, (2, 4), generator=g)
+    out = lm.generate(prompt, 4, temperature=0, doc_start=torch.tensor([True, False]))
+    want = fresh.generate(prompt[:1], 4, temperature=0, doc_start=torch.tensor([True]))
+    assert torch.equal(out[:1], want)
+
+
+# ---------------------------------------------------------------- the corpus
+def _fake_stdlib(root, sizes):
+    for i, n in enumerate(sizes):
+        p = root / ('pkg' if i % 2 else '') / f'mod{i}.py'
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(bytes((i * 7 + j) % 97 + 30 for j in range(n)))
+    (root / 'site-packages').mkdir()
+    (root / 'site-packages' / 'big.py').write_bytes(b'x' * 40000)   # never part of the corpus
+    (root / 'notes.txt').write_bytes(b'y' * 40000)                   # nor anything but .py
+
+
+def test_corpus_is_deterministic_checksummed_and_split_by_path(tmp_path):
+    _fake_stdlib(tmp_path, [S.MIN_BYTES - 1, S.MIN_BYTES, 20000, 30000, 17000, 50000] + [S.MIN_BYTES + i for i in range(40)])
+    a, b = S.build_manifest(tmp_path), S.build_manifest(tmp_path)
+    assert a == b
+    paths = [f[0] for f in a['files']]
+    assert paths == sorted(paths) and 'mod0.py' not in paths and len(paths) == 45
+    assert not any('site-packages' in p for p in paths)
+    assert all(f[2] == hashlib.sha256((tmp_path / f[0]).read_bytes()).hexdigest() for f in a['files'])
+    assert {f[3] for f in a['files']} == {'train', 'val'}                # both splits occur
+    assert all(S.split_of(f[0]) == f[3] for f in a['files'])            # the split is a function of the path alone
+    corpus = S.load_corpus(tmp_path, a)
+    for split in ('train', 'val'):   # the documents, in manifest order, are the files' bytes
+        assert corpus[split] == [(tmp_path / f[0]).read_bytes() for f in a['files'] if f[3] == split]
+    # another interpreter's stdlib: one file changed, one added: detected, reported, and loading refuses
+    (tmp_path / 'mod2.py').write_bytes(b'z' * 20000)
+    (tmp_path / 'new.py').write_bytes(b'w' * 20000)
+    diff = S.compare_manifests(a, S.build_manifest(tmp_path))
+    assert any('differ in content' in d for d in diff) and any('not in the stored list' in d for d in diff)
+    with pytest.raises(ValueError, match='mod2.py'): S.load_corpus(tmp_path, a)
+
+
+def test_stored_corpus_matches_this_python_or_says_why():
+    stored = S.stored_manifest()
+    here = S.build_manifest()
+    diff = S.compare_manifests(stored, here)
+    if stored['python'] == here['python'] and stored['implementation'] == here['implementation'] and not diff:
+        assert stored['sha256'] == here['sha256']
+    else:
+        assert diff, 'another Python gives another corpus: compare_manifests must say so'
+
+
+# ---------------------------------------------------------------- reading documents
+def test_doc_stream_rows_read_whole_documents():
+    "Each row reads whole documents in order, one segment per step; doc_start marks exactly each document's first segment."
+    docs = [bytes(range(10 + 3 * i, 10 + 3 * i + n)) for i, n in enumerate([21, 9, 40, 17, 33])]
+    stream = S.DocStream(docs, batch=2, seq=8)
+    rows = [[] for _ in range(2)]
+    for _ in range(30):
+        x, y, start = stream.next()
+        for r in range(2):
+            if start[r]: rows[r].append([])
+            rows[r][-1].append((x[r], y[r]))
+    seen = []
+    for r in range(2):
+        for doc in rows[r][:-1]:                               # every finished document of the row
+            xs, ys = torch.cat([s[0] for s in doc]), torch.cat([s[1] for s in doc])
+            keep = ys != S.IGNORE
+            text = bytes(xs[keep].tolist()[:1] + ys[keep].tolist())
+            assert text in docs                                  # exactly one document: never two in a segment run
+            assert len(xs) == -(-(len(text) - 1) // 8) * 8       # padding only in the last segment
+            seen.append(docs.index(text))
+    assert stream.order == torch.randperm(5, generator=torch.Generator().manual_seed(0)).tolist()
+    assert set(seen) == set(range(5))
+
+
+def _knn_xl(seed=0):
+    return _lm('xl_paper', seed=seed, memorizing_layers=(1,), knn_capacity=64, top_k=4)
+
+
+def test_memory_is_reset_per_document():
+    "Two documents in one row do not see each other's memory: the second reads as it would in a fresh model."
+    a, b = bytes(range(40, 40 + 30)), bytes(range(60, 60 + 26))
+    docs = [bytes(v % V for v in d) for d in (a, b)]
+    lm = _knn_xl()
+    fresh = copy.deepcopy(lm)
+    stream = S.DocStream(docs, batch=1, seq=8)
+    out, memory = [], None
+    with torch.no_grad():
+        for _ in range(8):   # 4 segments of the first document, 4 of the second
+            x, _, start = stream.next()
+            logits, memory = lm(x, memory, doc_start=start)
+            out.append((bool(start[0]), x, logits))
+        second = [i for i, (s, _, _) in enumerate(out) if s][1]
+        memory = None
+        for i in range(second, 8):
+            x = out[i][1]
+            want, memory = fresh(x, memory, doc_start=torch.tensor([i == second]))
+            torch.testing.assert_close(out[i][2], want, rtol=1e-5, atol=1e-5)
+    # and the first document did leave memory behind (the check above is not vacuous)
+    lm2 = copy.deepcopy(fresh); lm2.release_knn_memory()
+    with torch.no_grad():
+        _, m = lm2(out[0][1], doc_start=torch.tensor([True]))
+        leak, _ = lm2(out[second][1], m)
+    assert not torch.allclose(leak, out[second][2], atol=1e-3)
+
+
+def test_evaluate_without_memory_is_the_ordinary_models_score():
+    "The no-memory setting's validation score: the sum over segments of the model's cross-entropy on each segment alone."
+    lm = _lm('xl_paper', mem_len=0)
+    docs = [bytes(v % V for v in range(i, i + n)) for i, n in ((3, 37), (5, 20), (1, 50))]
+    got = S.evaluate(lm, docs, 8, max_bytes=40)
+    bits, count = 0.0, 0
+    with torch.no_grad():
+        for d in docs:
+            t = torch.tensor(list(d[:41]))
+            for s in range(0, len(t) - 1, 8):
+                x, y = t[s:min(s + 8, len(t) - 1)], t[s + 1:s + 9]
+                logits, _ = lm(x[None])
+                bits += F.cross_entropy(logits[0], y, reduction='sum').item() / math.log(2); count += len(y)
+    assert got['bytes'] == count == sum(min(len(d), 41) - 1 for d in docs) == sum(got['bucket_bytes'])
+    assert math.isclose(got['bits'], bits, rel_tol=1e-6)
+    assert math.isclose(sum(got['bucket_bits']), got['bits'], rel_tol=1e-9)
+
+
+def test_evaluate_rows_are_independent_documents():
+    "With XL and kNN memory, scoring documents together equals scoring each alone (padding rows never leak)."
+    lm = _knn_xl()
+    docs = [bytes(v % V for v in range(i, i + n)) for i, n in ((3, 37), (5, 20))]
+    both = S.evaluate(copy.deepcopy(lm), docs, 8, max_bytes=64)
+    alone = [S.evaluate(copy.deepcopy(lm), [d], 8, max_bytes=64) for d in docs]
+    assert both['bytes'] == sum(e['bytes'] for e in alone)
+    assert math.isclose(both['bits'], sum(e['bits'] for e in alone), rel_tol=1e-5)
+
+
+def test_a_run_at_toy_size_is_stored_and_skipped_when_rerun(tmp_path):
+    "One study run end to end (tiny model, 3 steps): stored as one JSON file; the listing then counts it as stored."
+    tiny = dict(steps=3, batch=2, seq=16, d_model=16, heads=2, n_layers=2, position='xl_paper', lr=1e-3, warmup=1,
+                eval_docs=2, eval_bytes=64)
+    kw = dict(label='knn 16x + xl', seed=0, out_dir=str(tmp_path), knn_mult=4, knn_layer=1, top_k=4, mem_len=16, **tiny)
+    r = S._worker(dict(kw))
+    assert 'error' not in r and math.isfinite(r['bpb']) and r['eval']['bytes'] == 2 * 64
+    assert r['setting'] == dict(knn_mult=4, knn_layer=1, top_k=4, mem_len=16) and len(r['train_bpb']) == 3
+    stored = S.load_results(tmp_path)
+    assert [(s['label'], s['seed'], s['bpb']) for s in stored] == [('knn 16x + xl', 0, r['bpb'])]
+    assert (tmp_path / S.run_file('knn 16x + xl', 0).name).exists()
