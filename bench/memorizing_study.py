@@ -197,6 +197,8 @@ def build_model(seq:int, d_model:int, heads:int, n_layers:int, position:str, mem
 def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, heads:int, n_layers:int,
               position:str, lr:float, warmup:int, eval_docs:int, eval_bytes:int, eval_every:int=0, **setting) -> dict:
     "Train one setting from scratch on the training documents, then evaluate it on the validation documents."
+    config = dict(steps=steps, batch=batch, seq=seq, d_model=d_model, heads=heads, n_layers=n_layers, position=position,
+                  lr=lr, warmup=warmup, eval_docs=eval_docs, eval_bytes=eval_bytes)
     torch.set_num_threads(1)
     corpus = load_corpus(manifest=stored_manifest())
     torch.manual_seed(seed)
@@ -226,7 +228,7 @@ def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, h
     train_seconds, train_cpu = time.time() - t_start, time.process_time() - cpu_start
     t0 = time.time()
     ev = evaluate(model, val, seq, eval_bytes)
-    return {'label': label, 'seed': seed, 'setting': setting, 'bpb': ev['bits'] / ev['bytes'], 'eval': ev,
+    return {'label': label, 'seed': seed, 'setting': setting, 'config': config, 'bpb': ev['bits'] / ev['bytes'], 'eval': ev,
             'curve': curve, 'train_bpb': [round(v, 4) for v in train_bits],
             # one thread: CPU time per step is the work, wall time adds the waits of a shared machine
             'step_time': statistics.median(times[20:] or times), 'step_times_mean': statistics.mean(times),
@@ -242,8 +244,8 @@ SEQ = 128
 N_LAYERS = 4
 MELIAD_LAYER = 2     # meliad: the 9th of 12 layers (memory_layer_indices=(-4,)), 3/4 of the depth -> layer 2 of 0..3
 OTHER_LAYER = 0      # meliad's literal index -4 in a 4-layer model: the bottom layer
-COMMON = dict(steps=400, batch=8, seq=SEQ, d_model=128, heads=4, n_layers=N_LAYERS, position='xl_paper', lr=2e-3,
-              warmup=20, eval_docs=16, eval_bytes=16384)
+COMMON = dict(steps=300, batch=8, seq=SEQ, d_model=96, heads=4, n_layers=N_LAYERS, position='xl_paper', lr=2e-3,
+              warmup=20, eval_docs=12, eval_bytes=16384)
 
 def settings() -> dict:
     "label -> the keyword arguments that make the setting (on top of `COMMON`)."
@@ -319,3 +321,109 @@ def main(argv=None):
         if failed: sys.exit("failed runs (not stored; rerun to retry):\n" + '\n'.join(failed))
 
 if __name__ == '__main__': main()
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading the stored runs (the chapter)
+# ---------------------------------------------------------------------------------------------------------------
+LATE = (8192, 16384)   # byte offsets where a memory of 64x the segment (8 KB) is full
+EARLY = (0, 1024)      # the first kilobyte: little to remember yet
+
+class MemStudyResults:
+    "The stored runs with the summaries the chapter prints: bits per byte by setting and by offset, costs, verdicts."
+    def __init__(self, runs:list):
+        self.all = [r for r in runs if 'error' not in r]
+        order = list(settings())
+        found = {r['label'] for r in self.all}
+        self.labels = [l for l in order if l in found] + sorted(found - set(order))
+
+    @classmethod
+    def load(cls, path=None): return cls(load_results(path))
+
+    def runs(self, label): return sorted((r for r in self.all if r['label'] == label), key=lambda r: r['seed'])
+    def seeds(self, label): return [r['seed'] for r in self.runs(label)]
+
+    @staticmethod
+    def run_bpb(r, lo=0, hi=None) -> float:
+        "Bits per byte of one run over the target bytes at offsets in [lo, hi) (whole buckets)."
+        e = r['eval']; edges = e['buckets']
+        keep = [i for i in range(len(edges) - 1) if edges[i] >= lo and (hi is None or edges[i + 1] <= hi)]
+        bits, n = sum(e['bucket_bits'][i] for i in keep), sum(e['bucket_bytes'][i] for i in keep)
+        return bits / n if n else math.nan
+
+    def bpb(self, label, lo=0, hi=None):
+        "(mean, sample sd, seeds) of bits per byte over [lo, hi)."
+        v = [self.run_bpb(r, lo, hi) for r in self.runs(label)]
+        return statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else math.nan), len(v)
+
+    def diffs(self, label, base='none', lo=0, hi=None) -> list:
+        "Per seed (seeds both settings have): bits per byte of `label` minus `base` over [lo, hi); same seed, same init and data."
+        b = {r['seed']: self.run_bpb(r, lo, hi) for r in self.runs(base)}
+        return [self.run_bpb(r, lo, hi) - b[r['seed']] for r in self.runs(label) if r['seed'] in b]
+
+    def gain(self, label, base='none', lo=0, hi=None):
+        "(mean difference, whether every seed agrees on its sign and it is at least 0.005 bits); negative: `label` is better."
+        d = self.diffs(label, base, lo, hi)
+        if not d: return math.nan, False
+        m = statistics.mean(d)
+        return m, len(d) > 1 and abs(m) >= 0.005 and all((x < 0) == (m < 0) for x in d)
+
+    def cost(self, label, key='step_cpu', base='none') -> float:
+        "Median step time of `label` over the median of `base` (CPU time per step by default: one thread, so the work)."
+        med = lambda l: statistics.median(r[key] for r in self.runs(l))
+        return med(label) / med(base)
+
+    def curve(self, label, min_bytes:int=256):
+        "(bucket (start, end), mean bits per byte over seeds) for the buckets that score at least `min_bytes` bytes."
+        runs = self.runs(label); edges = runs[0]['eval']['buckets']
+        out = []
+        for i in range(len(edges) - 1):
+            if min(r['eval']['bucket_bytes'][i] for r in runs) < min_bytes: continue   # e.g. the single byte at 16 KB
+            out.append(((edges[i], edges[i + 1]),
+                        statistics.mean(r['eval']['bucket_bits'][i] / r['eval']['bucket_bytes'][i] for r in runs)))
+        return out
+
+    def table(self) -> str:
+        "Markdown: every setting's bits per byte (all scored bytes, the first KB, 8-16 KB), its gain over no memory late in documents, and its cost."
+        fmt = lambda m, s: f'{m:.3f}' + ('' if math.isnan(s) else f' ± {s:.3f}')
+        head = ('| setting | seeds | bpb, all | bpb, bytes 0–1 KB | bpb, bytes 8–16 KB | Δ vs none, 8–16 KB | '
+                'CPU per step vs none | wall per step vs none |\n|---|---|---|---|---|---|---|---|')
+        rows = []
+        for l in self.labels:
+            m, s, n = self.bpb(l); e, es, _ = self.bpb(l, *EARLY); t, ts, _ = self.bpb(l, *LATE)
+            g, sure = self.gain(l, 'none', *LATE)
+            gs = '' if l == 'none' else f"{g:+.3f}" + (' (both seeds)' if sure else '')
+            rows.append(f"| `{l}` | {n} | {fmt(m, s)} | {fmt(e, es)} | {fmt(t, ts)} | {gs} | "
+                        f"{self.cost(l):.2f}× | {self.cost(l, 'step_time'):.2f}× |")
+        return head + '\n' + '\n'.join(rows)
+
+    def compare(self, label, base, lo=LATE[0], hi=LATE[1]) -> str:
+        "'`label` − `base`: +0.012 bits (both seeds)' or '(seeds disagree)', for a sentence; '' if either was not run."
+        if label not in self.labels or base not in self.labels: return f'`{label}` against `{base}`: not run yet'
+        m, sure = self.gain(label, base, lo, hi)
+        seeds = len(self.diffs(label, base, lo, hi))
+        tag = ('every seed agrees' if sure else 'within the spread of the seeds' if seeds > 1 else 'one seed only')
+        return f'`{label}` − `{base}`: {m:+.3f} bits per byte ({tag})'
+
+    def verdict(self, label, base, lo=LATE[0], hi=LATE[1]):
+        "'better', 'worse' (every seed agrees, at least 0.005 bits), 'no difference' (otherwise), or None (not run)."
+        if label not in self.labels or base not in self.labels: return None
+        m, sure = self.gain(label, base, lo, hi)
+        return ('better' if m < 0 else 'worse') if sure else 'no difference'
+
+    def paper_ordering(self) -> list:
+        """The paper's claims as this section checks them (late in documents, 8-16 KB), each with what the runs say:
+        (claim, verdict here, evidence). A claim holds when every seed agrees."""
+        v, c = self.verdict, self.compare
+        sizes = [l for l in ('knn 1x', 'knn 4x', 'knn 16x', 'knn 64x') if l in self.labels]
+        steps = [(b, a) for a, b in zip(sizes, sizes[1:])]
+        more = [v(b, a) for b, a in steps]
+        out = [('a kNN memory lowers bits per byte', v('knn 16x', 'none'), c('knn 16x', 'none')),
+               ('more memory lowers it more (1× → 4× → 16× → 64× the segment)',
+                None if not steps else 'better' if all(x == 'better' for x in more) else
+                'worse' if any(x == 'worse' for x in more) else 'no difference',
+                '; '.join(c(b, a) for b, a in steps)),
+               ('the XL cache lowers it', v('xl', 'none'), c('xl', 'none')),
+               ('the XL cache gains more than the kNN memory alone', v('xl', 'knn 16x'), c('xl', 'knn 16x')),
+               ('memory + XL cache beats the XL cache alone', v('knn 16x + xl', 'xl'), c('knn 16x + xl', 'xl')),
+               ('memory + XL cache beats the memory alone', v('knn 16x + xl', 'knn 16x'), c('knn 16x + xl', 'knn 16x'))]
+        return out

@@ -148,15 +148,17 @@ def toeplitz_attention(q:torch.Tensor,             # `[batch, heads, seq_q, d_k]
     if tuple(distance_bias.shape) != (q.shape[1], max(0, nq + nk - 1)):
         raise ValueError(f"distance_bias must have shape [heads, seq_q + seq_k - 1] = [{q.shape[1]}, {max(0, nq + nk - 1)}], "
                          f"got {tuple(distance_bias.shape)}")
-    distance_bias = distance_bias.to(q.dtype)   # the scores' dtype (autograd returns the gradient in the table's)
     if (_flash_cpu is not None and q.device.type == 'cpu' and q.dtype in (torch.float32, torch.float64)
             and q.dtype == k.dtype == v.dtype and nq > 0 and nk > 0 and dropout_p == 0.0
             and not torch.compiler.is_compiling() and not functorch_active()):
-        return _ToeplitzBiasAttention.apply(q, k, v, distance_bias, scale, causal)
+        # the scores' dtype (autograd returns the gradient in the table's)
+        return _ToeplitzBiasAttention.apply(q, k, v, distance_bias.to(q.dtype), scale, causal)
     # Elsewhere the bias is built: CUDA's fused kernels differentiate it themselves; CPU takes SDPA's math path.
     if causal: distance_bias = distance_bias.masked_fill(_future(distance_bias, nk), float('-inf'))
-    if nq == 0 or nk == 0: return _toeplitz_attention_reference(q, k, v, distance_bias, scale, False)
-    bias = toeplitz(distance_bias, nq, nk)[None]
+    if nq == 0 or nk == 0: return _toeplitz_attention_reference(q, k, v, distance_bias.to(q.dtype), scale, False)
+    # cast after the Toeplitz view: its backward sums the gradient along each diagonal (up to n terms) in the table's
+    # dtype, float32 for a bfloat16 layer (`_toeplitz_heads`), not in bfloat16
+    bias = toeplitz(distance_bias, nq, nk)[None].to(q.dtype)
     if functorch_active() and not torch.compiler.is_compiling():   # torch.func: ordinary ops (SDPA's fused kernels refuse)
         p = torch.softmax(q @ k.transpose(-1, -2) * scale + bias, dim=-1)
         return (F.dropout(p, dropout_p) if dropout_p > 0 else p) @ v
@@ -165,7 +167,8 @@ def toeplitz_attention(q:torch.Tensor,             # `[batch, heads, seq_q, d_k]
 def _toeplitz_heads(query, key, value, distance_bias, scale, causal=False, dropout_p=0.0):
     "`toeplitz_attention` on a layer's heads in labml layout, `[seq, batch, heads, d_k]` in and out (the layers' Toeplitz path)."
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
-    x = toeplitz_attention(q, k, v, distance_bias.to(q.dtype), scale, causal, dropout_p)
+    # the table in float32 at least (bfloat16, float16 layers too): its gradient is a sum over diagonals of n terms
+    x = toeplitz_attention(q, k, v, distance_bias.to(torch.promote_types(q.dtype, torch.float32)), scale, causal, dropout_p)
     # the fused CPU kernel can turn a NaN/Inf query row into 0; put the NaN back (as `MultiHeadAttention.sdpa` does)
     return (x + q.sum(-1, keepdim=True) * 0).permute(2, 0, 1, 3)
 

@@ -75,7 +75,7 @@ class RelativeFourierPositions(nn.Module):
                  num_heads:int=8,                # attention heads; one rotation matrix row per head
                  max_number_of_keys:int=1024,    # wavelengths are tuned to this: the longest half-wave is twice it
                  position_vector_size:int=128,   # size of a position vector (cos half + sin half); even
-                 dtype:torch.dtype=torch.float32, # dtype the bias is computed and returned in (meliad's `dtype`)
+                 dtype:torch.dtype=torch.float32, # dtype the bias is returned in (meliad's `dtype`); computed in float32 at least
                  fast:bool=True):                # default path: O(h·n·p) distance table (True) or meliad's einsum (False)
         super().__init__()
         self.num_heads = _as_int(num_heads, 'num_heads', 1)
@@ -87,7 +87,7 @@ class RelativeFourierPositions(nn.Module):
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.dtype, self.fast = dtype, bool(fast)
         self.max_wavelength = 2 * self.max_number_of_keys
-        # The parameter is float32 as in meliad (its init builds float32); `dtype` is the compute dtype.
+        # The parameter is float32 as in meliad (its init builds float32); `dtype` is the returned dtype.
         self.rotation_matrix = nn.Parameter(_init_rotation_matrix(self.num_heads, self.position_vector_size))
         # Caches (non-persistent: rebuilt from the constructor arguments, never saved in a state_dict).
         # `positions`: meliad's float32 position vectors for absolute positions [pos_lo, pos_lo + len).
@@ -144,36 +144,48 @@ class RelativeFourierPositions(nn.Module):
         return table
 
     # ---- the two paths -----------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        "float32, or `dtype` where it is wider (float64): bfloat16 or float16 features would lose the gradient's digits."
+        return torch.promote_types(self.dtype, torch.float32)
+
     def bias_einsum(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
         "meliad's computation, step by step: rotate the query position vectors, dot them with the key ones."
-        with torch.autocast(self.rotation_matrix.device.type, enabled=False):  # `self.dtype`, not autocast's
-            return self._bias_einsum(num_queries, num_keys, offset)
+        with torch.autocast(self.rotation_matrix.device.type, enabled=False):  # `compute_dtype`, not autocast's
+            return self._bias_einsum(num_queries, num_keys, offset).to(self.dtype)
 
     def _bias_einsum(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
-        ks = self._rows('positions', 0, num_keys).to(self.dtype)                     # [k, p]
-        qs = self._rows('positions', offset, offset + num_queries).to(self.dtype)    # [q, p]
+        dt = self.compute_dtype
+        ks = self._rows('positions', 0, num_keys).to(dt)                             # [k, p]
+        qs = self._rows('positions', offset, offset + num_queries).to(dt)            # [q, p]
         qx, qy = qs.chunk(2, dim=-1)
         qs_xs, qs_ys = torch.cat([qx, qx], -1), torch.cat([qy, qy], -1)               # [x x], [y y]
-        rmat1 = self.rotation_matrix.to(self.dtype)                                   # [a b]
+        rmat1 = self.rotation_matrix.to(dt)                                           # [a b]
         rm_a, rm_b = rmat1.chunk(2, dim=-1)
         rmat2 = torch.cat([-rm_b, rm_a], dim=-1)                                      # [-b a]
         rot_qs = rmat1[:, None, :] * qs_xs[None] + rmat2[:, None, :] * qs_ys[None]    # [h, q, p]
-        return torch.einsum('hqd,kd->hqk', rot_qs, ks)[None].to(self.dtype)
+        return torch.einsum('hqd,kd->hqk', rot_qs, ks)[None]
 
     def bias_fast(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
         "The same bias from its `num_queries + num_keys - 1` distinct values: `T[h, r] = a·cos(pi r/w) + b·sin(pi r/w)`."
         if num_queries == 0 or num_keys == 0: return self.bias_einsum(num_queries, num_keys, offset)
-        # bias[h, i, j] = table[h, j - i + q - 1]: windows of k consecutive distances, last query first
-        return self.distance_table(num_queries, num_keys, offset).unfold(-1, num_keys, 1).flip(-2)[None]
+        # bias[h, i, j] = table[h, j - i + q - 1]: windows of k consecutive distances, last query first. The cast to
+        # `dtype` comes last, so that backward sums the gradient over each diagonal (up to n terms) in `compute_dtype`
+        table = self._distance_table(num_queries, num_keys, offset)
+        return table.unfold(-1, num_keys, 1).flip(-2)[None].to(self.dtype)
 
     def distance_table(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
         "`[num_heads, num_queries + num_keys - 1]`: the bias of each distance `j - i`, smallest first (column `j - i + num_queries - 1`)."
-        # autocast would compute the table in bf16/fp16 and accumulate the parameter's gradient over the
-        # n diagonals in that dtype; the table is small (h x (q+k-1)): compute it in `self.dtype`
+        return self._distance_table(num_queries, num_keys, offset).to(self.dtype)
+
+    def _distance_table(self, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
+        # autocast (or a bfloat16 module) would compute the table in bf16/fp16 and accumulate the parameter's gradient
+        # over the n diagonals in that dtype; the table is small (h x (q+k-1)): compute it in `compute_dtype`
         with torch.autocast(self.rotation_matrix.device.type, enabled=False):
             r_lo = -(offset + num_queries - 1)                                       # key - query, smallest
             dist = self._rows('distances', r_lo, r_lo + num_queries + num_keys - 1)  # [q+k-1, p]
-            return self.rotation_matrix.to(self.dtype) @ dist.to(self.dtype).T      # [h, q+k-1]
+            dt = self.compute_dtype
+            return self.rotation_matrix.to(dt) @ dist.to(dt).T                       # [h, q+k-1]
 
     def forward(self,
                 num_queries:int,          # number of queries
@@ -210,7 +222,7 @@ def _hidden_columns(mask:Optional[torch.Tensor], # bool `[b|1, 1, n_q|1, n_k]`, 
                     blocks:list,                  # `(i0, i1, k0, k1)` from `block_key_ranges`, blocks of equal rows
                    ) -> list:                     # per block: None, or `(j0, j1, hidden)`
     "Per block, the columns `k0+j0 : k0+j1` of its keys where `mask` hides any score, with `hidden` (True = hidden) over them; None where it hides none."
-    if mask is None or not blocks: return [None] * len(blocks)
+    if mask is None or not blocks or mask.shape[0] == 0: return [None] * len(blocks)   # no mask, or no batch element
     hidden = ~mask[:, 0].expand(-1, n_q, -1)                                  # [b|1, n_q, n_k]
     c, n_k = blocks[0][1] - blocks[0][0], hidden.shape[-1]
     # which columns hold a hidden score, per block of rows (over the batch too): a few whole-mask ops, not a few per

@@ -41,6 +41,14 @@ def _check_heads_tensor(memory, name:str, x, n_name:str='n'):
         raise ValueError(f"KNNMemory: {name} is on {x.device} but the memory is on {memory.keys.device}; "
                          "move one of them (memory.to(device))")
 
+def _check_finite(owner:str, keys:torch.Tensor, values:torch.Tensor, hint:str=""):
+    "Refuse NaN or inf in pairs about to be stored: a NaN key would be every query's nearest neighbour until evicted."
+    for name, x in (("keys", keys), ("values", values)):
+        bad = ~torch.isfinite(x).flatten(1).all(1)   # [batch]: one sync per call, the search makes several
+        if bool(bad.any()):
+            raise ValueError(f"{owner}: {name} hold NaN or inf in batch elements {bad.nonzero().flatten().tolist()}; "
+                             f"the kNN memory stores finite pairs only (nothing was written){hint}")
+
 # %% ../nbs/10_memorizing.ipynb #c009
 SEARCH_BLOCK = 2 ** 24   # scores held at once by `KNNMemory.search` (64 MiB in float32)
 
@@ -97,24 +105,30 @@ class KNNMemory(nn.Module):
             keys:torch.Tensor,   # `[batch, heads, n, head_dim]`, stored detached
             values:torch.Tensor, # `[batch, heads, n, head_dim]`
            ) -> None:
-        "Append `n` pairs per (batch element, head), overwriting the oldest ones once full; `n > capacity` keeps the last `capacity`."
+        "Append `n` pairs per (batch element, head), overwriting the oldest ones once full; `n > capacity` keeps the last `capacity`. Non-finite keys or values are refused."
         _check_heads_tensor(self, "keys", keys)
         _check_heads_tensor(self, "values", values)
         if keys.shape != values.shape:
             raise ValueError(f"KNNMemory: keys and values must have the same shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
+        _check_finite("KNNMemory.add", keys, values)
         n = keys.shape[2]
         if n == 0: return
-        if n > self.capacity:   # the first n - capacity would be evicted by the last ones: never write them
-            keys, values, n = keys[:, :, -self.capacity:], values[:, :, -self.capacity:], self.capacity
+        slots = self._slots(self.next_slot, n)   # [batch, kept]: pair t since the reset goes to slot t mod capacity
+        kept = slots.shape[1]                     # n > capacity: the first n - capacity would be overwritten by this call
         # Every check is done: from here on nothing raises, so a refused call never leaves half-written contents.
         with torch.no_grad():
-            # slot of entry t for batch element b: (next_slot[b] + t) mod capacity (elements reset at other times differ)
-            slots = (self.next_slot[:, None] + torch.arange(n, device=self.next_slot.device)) % self.capacity   # [batch, n]
             index = slots[:, None, :, None].expand(-1, self.heads, -1, self.head_dim)
-            self.keys.scatter_(2, index, keys.detach())
-            self.values.scatter_(2, index, values.detach())
+            self.keys.scatter_(2, index, keys[:, :, n - kept:].detach())
+            self.values.scatter_(2, index, values[:, :, n - kept:].detach())
             self.next_slot.add_(n).remainder_(self.capacity)
-            self.size.add_(n).clamp_(max=self.capacity)
+            self.size.add_(kept).clamp_(max=self.capacity)
+
+    def _slots(self, next_slot:torch.Tensor, # `[batch]`: the slot of the next pair, (pairs since the reset) mod capacity
+               n:int,                        # pairs added
+              ) -> torch.Tensor:             # `[batch, min(n, capacity)]` slots of the last min(n, capacity) pairs
+        "Where `add` writes the pairs it keeps: pair t since the reset goes to slot t mod capacity."
+        kept = min(n, self.capacity)
+        return (next_slot[:, None] + (n - kept) + torch.arange(kept, device=next_slot.device)) % self.capacity
 
     def reset(self, which:torch.Tensor, # bool `[batch]`: True for the batch elements whose document starts
              ) -> None:
@@ -364,13 +378,20 @@ class MemorizingAttention(nn.Module):
         n_q, batch = query.shape[:2]
         if n_q > key.shape[0]:
             raise ValueError(f"MemorizingAttention: query ({n_q}) must be the last positions of key ({key.shape[0]}): self-attention over [memory, segment]")
+        if batch == 0:   # no document: nothing to search or store, and no memory is built for batch 0
+            return local.output(local.value(value)[-n_q:].reshape(n_q, 0, self.d_model))
         memory = self._memory_for(batch, query.device)
+        q, k, v = local.query(query), local.key(key), local.value(value)   # [seq, batch, heads, d_k]: one set of projections
+        # what this segment will store (the last n_q keys): checked before the memory changes at all
+        new_k, new_v = (t[-n_q:].permute(1, 2, 0, 3) for t in (k, v))
+        if self.normalize: new_k = F.normalize(new_k, dim=-1)
+        new_k, new_v = new_k.detach().to(memory.dtype), new_v.detach().to(memory.dtype)
+        _check_finite("MemorizingAttention", new_k, new_v, hint=": check `key` and `value` (and the projections' weights)")
         if start_of_document is not None:
             memory.reset(start_of_document)   # checks it: bool [batch]
-        q, k, v = local.query(query), local.key(key), local.value(value)   # [seq, batch, heads, d_k]: one set of projections
         # local side: the relpos method's own paths (readable when weights are wanted)
         need_weights = local.need_weights if need_weights is None else need_weights
-        if need_weights or not local._fast_path_ok():
+        if need_weights or not local._fast_path_ok() or local._large_scores(q, k):
             x_local, attn = local.attention_reference(q, k, v, mask); local.attn = attn.detach()
         else:
             x_local = local.attention_fast(q, k, v, mask); local.attn = None
@@ -381,10 +402,8 @@ class MemorizingAttention(nn.Module):
         mixed = self.gate(x_local.transpose(0, 1).reshape(batch, n_q, self.d_model),
                           x_knn.transpose(1, 2).reshape(batch, n_q, self.d_model).to(x_local.dtype))
         out = local.output(mixed.transpose(0, 1))
-        # memory update after retrieval: a token never retrieves itself. The segment is the last n_q keys.
-        new_k, new_v = (t[-n_q:].permute(1, 2, 0, 3) for t in (k, v))
-        if self.normalize: new_k = F.normalize(new_k, dim=-1)
-        memory.add(new_k.detach().to(memory.dtype), new_v.detach().to(memory.dtype))
+        # memory update after retrieval: a token never retrieves itself
+        memory.add(new_k, new_v)
         return out
 
 # %% ../nbs/10_memorizing.ipynb #c034
@@ -426,10 +445,9 @@ class FaissKNNMemory(KNNMemory):
     def add(self, keys, values):
         old_size, old_next = self.size.clone(), self.next_slot.clone()
         super().add(keys, values)             # checks, and writes the buffers (the source of truth)
-        n = min(keys.shape[2], self.capacity)
-        if n == 0: return
-        slots = (old_next[:, None] + torch.arange(n)) % self.capacity          # where they went, [batch, n]
-        new_keys = keys.detach()[:, :, -n:].float().cpu().numpy()
+        if keys.shape[2] == 0: return
+        slots = self._slots(old_next, keys.shape[2])                            # where they went, [batch, kept]
+        new_keys = keys.detach()[:, :, -slots.shape[1]:].float().cpu().numpy()
         for b in range(self.batch_size):
             ids = slots[b].numpy().astype("int64")
             overwritten = ids[ids < int(old_size[b])]                              # evicted entries

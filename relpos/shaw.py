@@ -333,6 +333,8 @@ def relation_aware_attention(q:torch.Tensor,    # `[batch, heads, seq_q, head_di
         # torch.func (grad, vmap, jacrev) cannot run an autograd.Function without setup_context: the same
         # numbers from ordinary ops, with [b, h, n_q, n_k] scores (the readable path's memory, not the chunks')
         return _relation_aware_reference(*args)
+    if 0 in q.shape[:3]:   # no batch element, head or query: nothing to chunk; ordinary ops give the empty output and gradients
+        return _relation_aware_reference(*args)
     if batched is None: batched = q.device.type != 'cpu' or k.shape[2] < PER_HEAD_MIN_KEYS
     # torch.compile traces one graph: the batched layout (no worker threads)
     return _RelationAwareAttentionFn.apply(*args, batched or torch.compiler.is_compiling())

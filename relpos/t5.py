@@ -187,7 +187,7 @@ class T5MultiHeadAttention(MultiHeadAttention):
                 return _toeplitz_heads(query, key, value, distance_bias, self.scale, causal, dropout_p)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
         # distances from position ids are not constant along diagonals: the bias is built, one lookup per pair
-        bias = (toeplitz(distance_bias.to(q.dtype), nq, nk)[None] if position_ids is None
+        bias = (toeplitz(distance_bias, nq, nk)[None].to(q.dtype) if position_ids is None
                 else self.positions.from_positions(position_ids, nq).to(q.dtype))
         if mask is None: mask = torch.ones(1, nk, 1, 1, dtype=torch.bool, device=q.device)
         m = mask[..., 0].permute(2, 0, 1).unsqueeze(1)   # [b|1, 1, sq|1, sk], True = may attend

@@ -4,7 +4,6 @@ import copy
 import io
 import math
 import pickle
-import time
 
 import pytest
 import torch
@@ -370,14 +369,12 @@ def test_compile_inductor():
     gate = ContextChoiceLinear(4, 32)
     compiled = torch.compile(gate, backend="inductor")
     x_local, x_global = pair(2, 5, 32, requires_grad=True)
-    start = time.perf_counter()
     out = compiled(x_local, x_global)
     loss = gate.get_loss_component(strict=True)
     (out.sum() + loss).backward()
     ref = gate(x_local, x_global)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, gate.get_loss_component())
-    assert time.perf_counter() - start < 300
 
 
 # ------------------------------------------------------------------ state_dict, deepcopy, pickle

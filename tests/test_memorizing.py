@@ -69,6 +69,64 @@ def test_eviction_keeps_the_newest():
     assert values.flatten().tolist() == [11., 10., 9., 8., 7.] and valid.all()
 
 
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), capacity=st.integers(1, 12), faiss=st.booleans(),
+       ops=st.lists(st.tuples(st.sampled_from(['add', 'add', 'reset', 'clear']), st.integers(0, 30), st.integers(0, 7)),
+                    min_size=1, max_size=8))
+def test_slot_rule(batch, capacity, faiss, ops):
+    "The documented rule, for any sequence of adds (more than capacity at once too): pair t since the reset is in slot t mod capacity."
+    if faiss:
+        pytest.importorskip('faiss')
+        from relpos.memorizing import FaissKNNMemory
+        m = FaissKNNMemory(batch, 2, 1, capacity, nlist=1, nprobe=1, train_size=1)
+    else:
+        m = KNNMemory(batch, 2, 1, capacity)
+    count = [0] * batch                              # pairs added to each batch element since its reset
+    for op, n, bits in ops:
+        if op == 'add':                              # pair t of element b holds the number 1000 * b + t
+            t = torch.tensor([[1000. * b + count[b] + i for i in range(n)] for b in range(batch)]).view(batch, 1, n, 1)
+            m.add(t.expand(batch, 2, n, 1), -t.expand(batch, 2, n, 1))
+            count = [c + n for c in count]
+        else:
+            which = [(bits >> b) & 1 == 1 or op == 'clear' for b in range(batch)]
+            m.reset(torch.tensor(which)) if op == 'reset' else m.clear()
+            count = [0 if w else c for c, w in zip(count, which)]
+        assert m.next_slot.tolist() == [c % capacity for c in count]
+        assert m.size.tolist() == [min(c, capacity) for c in count]
+        for b in range(batch):
+            for t in range(max(0, count[b] - capacity), count[b]):   # the pairs held
+                assert m.keys[b, :, t % capacity, 0].tolist() == [1000. * b + t] * 2, (b, t)
+                assert m.values[b, :, t % capacity, 0].tolist() == [-1000. * b - t] * 2, (b, t)
+        q = torch.ones(batch, 2, 1, 1)
+        if min(count) > 0:                           # and the search still finds the newest (largest) pair first
+            keys, _, valid = m.search(q, 1)
+            assert keys[:, 0, 0, 0, 0].tolist() == [1000. * b + count[b] - 1 for b in range(batch)]
+
+
+@pytest.mark.parametrize('backend', ['exact', 'faiss'])
+@pytest.mark.parametrize('where', ['keys', 'values'])
+@pytest.mark.parametrize('bad', [float('nan'), float('inf'), -float('inf')])
+def test_non_finite_pairs_refused(backend, where, bad):
+    "NaN or inf in a key or value: ValueError naming it and the batch element, nothing written (also past capacity)."
+    if backend == 'faiss':
+        pytest.importorskip('faiss')
+        from relpos.memorizing import FaissKNNMemory
+        m = FaissKNNMemory(2, 2, 4, 10, nlist=1, nprobe=1, train_size=3)
+    else:
+        m = KNNMemory(2, 2, 4, capacity=10)
+    torch.manual_seed(0)
+    m.add(torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4))
+    q = torch.randn(2, 2, 3, 4)
+    before, found = {n: t.clone() for n, t in m.state_dict().items()}, m.search(q, 4)
+    for n in (3, 25):                                 # within capacity, and more than capacity in one call
+        pair = {'keys': torch.randn(2, 2, n, 4), 'values': torch.randn(2, 2, n, 4)}
+        pair[where][1, 0, n - 1, 2] = bad
+        with pytest.raises(ValueError, match=rf'{where} hold NaN or inf in batch elements \[1\]'):
+            m.add(pair['keys'], pair['values'])
+        for k, t in m.state_dict().items(): assert torch.equal(t, before[k]), k
+        for a, b in zip(m.search(q, 4), found): assert torch.equal(a, b)
+
+
 def test_large_search_crosses_blocks(monkeypatch):
     "Blocks that split both the memories (group) and the slots (chunk) give the brute-force answer."
     import relpos.memorizing as mz
@@ -195,6 +253,19 @@ def test_layer_memory_lifecycle():
     with pytest.raises(ValueError, match='heads'): MemorizingAttention(4, 16, local=RelativeMultiHeadAttention(2, 16))
     with pytest.raises(TypeError, match='bool'):
         layer(query=x[:, :1].double(), key=x[:, :1].double(), value=x[:, :1].double(), start_of_document=torch.tensor([1]))
+
+
+def test_layer_non_finite_segment_refused_before_reset():
+    "The layer checks what it will store before `start_of_document` empties anything: a refused call changes no memory."
+    torch.manual_seed(0)
+    layer = MemorizingAttention(2, 16, 0.0, knn_capacity=20, top_k=3).eval()
+    xs = [torch.randn(4, 3, 16) for _ in range(2)]
+    _run(layer, xs)
+    before = copy.deepcopy(layer.memory_state_dict())
+    x = torch.randn(4, 3, 16); x[2, 2, 5] = float('inf')
+    with pytest.raises(ValueError, match=r'MemorizingAttention: (keys|values) hold NaN or inf in batch elements \[2\].*`key`'):
+        layer(query=x, key=x, value=x, mask=_mask(4, 4), start_of_document=torch.tensor([True, False, True]))
+    for k, t in layer.memory_state_dict().items(): assert torch.equal(t, before[k]), k
 
 
 def test_layer_state_independent_of_mode():
@@ -371,6 +442,21 @@ def test_decoder_knn_bad_input():
         assert all(torch.equal(after[i][k], before[i][k]) for i in before for k in before[i])
     lm(x[:2], doc_start=torch.ones(2, dtype=torch.bool))   # every row starts: rebuilt for batch 2
     assert lm.memorizing[0].memory.batch_size == 2 and lm.memorizing[0].memory.size.tolist() == [8, 8]
+
+
+def test_decoder_knn_non_finite_keys_refused():
+    "A segment whose keys turn NaN (here: one token's embedding) is refused by the kNN layer before its memory changes."
+    lm = knn_lm()
+    memory = fill(lm)
+    before = copy.deepcopy(lm.knn_memory_state_dict())
+    with torch.no_grad(): lm.src_embed.weight[5] = float('nan')
+    x = torch.randint(0, 5, (3, 8)); x[1, 3] = 5     # row 1 reads token 5 once
+    with pytest.raises(ValueError, match=r'MemorizingAttention: keys hold NaN or inf in batch elements \[1\]'):
+        lm(x, memory)
+    after = lm.knn_memory_state_dict()
+    assert all(torch.equal(after[i][k], before[i][k]) for i in before for k in before[i])
+    logits, _ = lm(torch.randint(0, 5, (3, 8)), memory)        # the memory is clean: later segments are finite
+    assert torch.isfinite(logits).all()
 
 
 def test_decoder_knn_copies_and_checkpoint():

@@ -210,3 +210,34 @@ def test_a_run_at_toy_size_is_stored_and_skipped_when_rerun(tmp_path):
     stored = S.load_results(tmp_path)
     assert [(s['label'], s['seed'], s['bpb']) for s in stored] == [('knn 16x + xl', 0, r['bpb'])]
     assert (tmp_path / S.run_file('knn 16x + xl', 0).name).exists()
+
+
+def _fake_run(label, seed, late_bpb, early_bpb=3.0, cpu=0.1):
+    sizes = [511, 512, 1024, 2048, 4096, 8192, 1]
+    bits = [early_bpb * n for n in sizes[:5]] + [late_bpb * sizes[5], 3.0]
+    return dict(label=label, seed=seed, setting=S.settings().get(label, {}), bpb=0.0, step_cpu=cpu, step_time=2 * cpu,
+                eval=dict(buckets=list(S.BUCKETS), bucket_bits=bits, bucket_bytes=sizes, bytes=sum(sizes)))
+
+
+def test_results_reader_pairs_seeds_and_marks_only_agreeing_differences():
+    runs = [_fake_run('none', 0, 2.0), _fake_run('none', 1, 2.2),
+            _fake_run('knn 16x', 0, 1.9, cpu=0.3), _fake_run('knn 16x', 1, 2.15, cpu=0.3),   # better in both seeds
+            _fake_run('xl', 0, 2.1), _fake_run('xl', 1, 2.1),                                 # +0.1 and -0.1: no verdict
+            {'label': 'knn 1x', 'seed': 0, 'error': 'RuntimeError: x'}]                       # failed runs are ignored
+    R = S.MemStudyResults(runs)
+    assert R.labels == ['none', 'xl', 'knn 16x']
+    m, sure = R.gain('knn 16x', 'none', *S.LATE)
+    assert math.isclose(m, -0.075) and sure
+    m, sure = R.gain('xl', 'none', *S.LATE)
+    assert math.isclose(m, 0.0, abs_tol=1e-12) and not sure
+    assert R.verdict('knn 16x', 'none') == 'better' and R.verdict('xl', 'none') == 'no difference'
+    assert R.verdict('knn 64x', 'none') is None                                           # not run
+    assert math.isclose(R.bpb('none', *S.EARLY)[0], 3.0) and math.isclose(R.cost('knn 16x'), 3.0)
+    assert [b for b, _ in R.curve('none')] == [(0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192), (8192, 16384)]
+    table = R.table()
+    assert '| `knn 16x` | 2 |' in table and '-0.075 (both seeds)' in table and '3.00×' in table
+    claims = dict((c, v) for c, v, _ in R.paper_ordering())
+    assert claims['a kNN memory lowers bits per byte'] == 'better'
+    assert claims['the XL cache gains more than the kNN memory alone'] == 'no difference'   # +0.2, -0.05: seeds disagree
+    assert claims['memory + XL cache beats the XL cache alone'] is None                       # not run
+    assert R.verdict('none', 'knn 16x') == 'worse'

@@ -223,6 +223,35 @@ def _attn_cases(module, target, make):
         if _both(m, q, kv).shape != (5, 0, D): raise Fail("shape")
         return "ok (empty)"
 
+    for big in (1e3, 1e4):
+        @c(f"query and key x{big:.0e}: input gradients == readable path's, finite")
+        def _(mod, big=big):
+            m = build(mod).train()
+            grads = {}
+            for need_weights in (False, True):
+                q, kv = _qkv(sq=7, sk=7)
+                q, kv = (q * big).requires_grad_(), (kv * big).requires_grad_()
+                out = m(query=q, key=kv, value=kv, mask=torch.ones(7, 7, dtype=torch.bool).tril()[..., None],
+                        need_weights=need_weights)
+                (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+                grads[need_weights] = (q.grad, kv.grad)
+                finite(q.grad, "query gradient"); finite(kv.grad, "key gradient")
+            for a, b, what in zip(grads[False], grads[True], ("query", "key")):
+                if (a - b).abs().max() > 1e-5 * max(1.0, b.abs().max().item()): raise Fail(f"{what} gradient off the readable path's")
+            return "ok (== readable, finite)"
+
+    @c("batch 0, 1100 keys, padding and causal masks, backward")
+    def _(mod):
+        m = make(mod).train()                  # the blockwise fast paths and their backward
+        for mask in (torch.ones(1, 1100, 0, dtype=torch.bool), torch.ones(1100, 1100, 1, dtype=torch.bool).tril()):
+            for need_weights in (False, True):
+                x = torch.randn(1100, 0, D, requires_grad=True)
+                out = m(query=x, key=x, value=x, mask=mask, need_weights=need_weights)
+                if out.shape != (1100, 0, D): raise Fail(f"shape {tuple(out.shape)}")
+                out.sum().backward()
+                if x.grad.shape != x.shape: raise Fail("gradient shape")
+        return "ok (empty, gradients empty)"
+
     for bad in ("nan", "inf"):
         @c(f"{bad} in one query")
         def _(mod, bad=bad):
@@ -753,6 +782,29 @@ def _(mod):
     return "ok (empty)"
 
 
+@case(*S, "batch 0, keys >= PER_HEAD_MIN_KEYS (per-head layout), with and without mask, backward")
+def _(mod):
+    m = _shaw(mod).train()
+    n = mod.PER_HEAD_MIN_KEYS + 10
+    for mask in (None, torch.ones(0, n)):
+        x = torch.randn(0, n, HS, requires_grad=True)
+        out = m(x, x, x, mask=mask)
+        if out.shape != (0, n, HS): raise Fail(f"shape {tuple(out.shape)}")
+        out.sum().backward()
+        if x.grad.shape != x.shape or m.relative_position_k.position_embeddings.grad.abs().sum() != 0: raise Fail("gradients")
+    return "ok (empty, zero gradients)"
+
+
+@case("memorizing", "MemorizingAttention", "batch 0")
+def _(mod):
+    layer = mod.MemorizingAttention(H, D, 0.0, knn_capacity=10, top_k=2)
+    x = torch.randn(4, 0, D, requires_grad=True)
+    out = layer(query=x, key=x, value=x)
+    if out.shape != (4, 0, D) or layer.memory is not None: raise Fail("batch 0: empty output, no memory built")
+    out.sum().backward()
+    return "ok (empty, no memory)"
+
+
 @case(*S, "keys longer than queries")
 def _(mod):
     m, (q, kv) = _shaw(mod), _bsd(sq=3, sk=6)
@@ -802,6 +854,46 @@ def _(mod):
 
 @case("shaw", "RelativePosition", "negative k")
 def _(mod): return raises(lambda: mod.RelativePosition(4, -1), "k")
+
+
+# ================================================================ relpos.memorizing
+KM = ("memorizing", "KNNMemory")
+
+
+def _knn_memory(mod):
+    torch.manual_seed(0)
+    m = mod.KNNMemory(2, 2, 4, capacity=6)
+    m.add(torch.randn(2, 2, 4, 4), torch.randn(2, 2, 4, 4))
+    return m
+
+
+def _unchanged_after(m, fn, *names):
+    "`fn` must raise naming one of `names`, and leave the memory's state as it was."
+    before = {k: t.clone() for k, t in m.state_dict().items()}
+    out = raises(fn, *names)
+    if any(not torch.equal(t, before[k]) for k, t in m.state_dict().items()): raise Fail("a refused call changed the memory")
+    return out
+
+
+for name, bad, where in [("NaN key", float("nan"), "keys"), ("inf key", float("inf"), "keys"),
+                         ("-inf value", -float("inf"), "values"), ("NaN value, more than capacity", float("nan"), "values")]:
+    def _(mod, bad=bad, where=where, n=9 if "capacity" in name else 3):
+        m = _knn_memory(mod)
+        pair = {"keys": torch.randn(2, 2, n, 4), "values": torch.randn(2, 2, n, 4)}
+        pair[where][0, 1, 0, 2] = bad
+        return _unchanged_after(m, lambda: m.add(pair["keys"], pair["values"]), where)
+    case(*KM, name)(_)
+
+
+@case("memorizing", "MemorizingAttention", "inf in key and value (with start_of_document)")
+def _(mod):
+    torch.manual_seed(0)
+    layer = mod.MemorizingAttention(H, D, 0.0, knn_capacity=10, top_k=2).eval()
+    x = torch.randn(3, 2, D)
+    layer(query=x, key=x, value=x)
+    bad = x.clone(); bad[1, 0, 0] = float("inf")
+    return _unchanged_after(layer.memory, lambda: layer(query=bad, key=bad, value=bad,
+                                                        start_of_document=torch.tensor([True, True])), "keys", "values")
 
 
 # ================================================================ relpos.fourier
@@ -1126,7 +1218,7 @@ def _run_isolated(module, target, name):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", _CHILD, os.path.abspath(__file__), module, target, name],
-                       capture_output=True, text=True, env=env, cwd=root, timeout=120)
+                       capture_output=True, text=True, env=env, cwd=root)
     if r.returncode < 0:
         raise Fail(f"the process was killed by {signal.Signals(-r.returncode).name}")
     out = [l for l in r.stdout.splitlines() if l.startswith("OUTCOME ")]

@@ -303,7 +303,7 @@ def test_no_more_workers_than_usable_cpus():
     "On one usable CPU relpos starts no thread, whatever torch's thread count; with one thread it never touches the count."
     import os, subprocess, sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", _THREADS_CHILD], capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, "-c", _THREADS_CHILD], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": root}, cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = dict(l.split(" ", 1) for l in r.stdout.strip().splitlines())

@@ -466,7 +466,8 @@ def copy_mathjax(out):
 def run_workers(jobs, n_workers, timeout):
     "One fresh process per notebook (as nbdev; executed cells leave state and take over `__main__`), at most"
     " `n_workers` at a time. A notebook whose processing outlives `timeout` seconds (a cell with an import that"
-    " also runs a benchmark is executed by nbdev too) is killed and rendered without the execution step."
+    " also runs a benchmark is executed by nbdev too) is killed and rendered without the execution step;"
+    " `timeout` 0 or None: no limit (the tests: how long a notebook takes depends on the machine's load)."
     import subprocess
     pending, running, results, tmpd = list(jobs), {}, {}, Path(tempfile.mkdtemp(prefix='render_docs_'))
     try:
@@ -476,7 +477,7 @@ def run_workers(jobs, n_workers, timeout):
                 cmd = [sys.executable, str(Path(__file__).resolve()), '--_worker', job[0], job[1] or '', str(res)]
                 running[job[0]] = (subprocess.Popen(cmd, cwd=job[2], stdout=subprocess.DEVNULL), time.time(), res, job)
             for k, (p, t0, res, job) in list(running.items()):
-                if p.poll() is None and time.time() - t0 < timeout: continue
+                if p.poll() is None and (not timeout or time.time() - t0 < timeout): continue
                 if p.poll() is None:
                     p.kill(); p.wait()
                     err = f'timed out after {timeout:.0f}s (a cell nbdev executes for the docs runs too long)'
@@ -633,7 +634,7 @@ def main(argv=None):
     ap.add_argument('--readme', nargs='?', const=str(ROOT/'README.md'), default=None, metavar='PATH',
                     help='write README.md (or PATH; "-" for stdout) from nbs/index.ipynb instead of building the site')
     ap.add_argument('--sidebar', action='store_true', help='write nbs/sidebar.yml instead of building the site')
-    ap.add_argument('--timeout', type=float, default=180, help='seconds per notebook for nbdev processing (default 180)')
+    ap.add_argument('--timeout', type=float, default=180, help='seconds per notebook for nbdev processing (default 180; 0: no limit)')
     ap.add_argument('-q', '--quiet', action='store_true')
     ap.add_argument('--_worker', nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
