@@ -21,6 +21,7 @@ from .fourier import FourierMultiHeadAttention
 from .rotary import RotaryMultiHeadAttention
 from .alibi import ALiBiMultiHeadAttention
 from .t5 import T5MultiHeadAttention
+from .fire import FireMultiHeadAttention
 from .memorizing import MemorizingAttention, KNNMemory, _check_knn_memory
 
 # %% ../nbs/09_models.ipynb #396f09e8
@@ -64,10 +65,11 @@ class BatchFirstAttention(nn.Module):
 
 class SequenceFirstAttention(BatchFirstAttention):
     "Adapter for labml's dialect (`relpos.mha.MultiHeadAttention` and its subclasses): sequence first, keyword call, mask `[q, k, b]`."
-    def forward(self, query, key, value, mask=None):
+    def forward(self, query, key, value, mask=None, **kwargs): # kwargs: the module's own keywords (a kNN layer's `start_of_document`)
         if mask is not None: mask = mask[..., None] if mask.dim() == 2 else mask.permute(1, 2, 0)
         # [batch, seq, d] -> [seq, batch, d] are views; the projections inside read them as they are
-        out = self.module(query=query.transpose(0, 1), key=key.transpose(0, 1), value=value.transpose(0, 1), mask=mask)
+        out = self.module(query=query.transpose(0, 1), key=key.transpose(0, 1), value=value.transpose(0, 1), mask=mask,
+                          **kwargs)
         return out.transpose(0, 1)
 
 class ShawAttention(BatchFirstAttention):
@@ -113,6 +115,7 @@ POSITION_BUILDERS: Dict[str, Callable] = {
     'rotary': LabmlPosition(RotaryMultiHeadAttention),   # rotate queries and keys by position (RoFormer, LLaMA)
     'alibi': LabmlPosition(ALiBiMultiHeadAttention),     # a fixed linear penalty per head on the distance (Press et al.)
     't5': LabmlPosition(T5MultiHeadAttention),           # a learned bias per head for each of 32 log-spaced distance buckets (T5)
+    'fire': LabmlPosition(FireMultiHeadAttention),       # a learned MLP of the log distance normalised by the query's position (FIRE)
 }
 POSITIONS = tuple(POSITION_BUILDERS)
 
@@ -128,23 +131,24 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x:torch.Tensor,          # `[batch, n, d_model]`
                 memory:Optional[torch.Tensor],  # `[batch, m, d_model]` earlier layer inputs, or None
-                mask:torch.Tensor):             # bool `[n, m + n]`
+                mask:torch.Tensor,              # bool `[n, m + n]`
+                **attn_kwargs):                 # passed to the attention (a kNN layer's `start_of_document`)
         h = x if memory is None else torch.cat((memory, x), dim=1)
         h = self.norm_self_attn(h)              # keys and values: memory and segment, normalised alike
         z = h[:, -x.shape[1]:]                  # queries: the segment
-        x = x + self.dropout(self.self_attn(z, h, h, mask))
+        x = x + self.dropout(self.self_attn(z, h, h, mask, **attn_kwargs))
         return x + self.dropout(self.feed_forward(self.norm_ff(x)))
 
 # %% ../nbs/09_models.ipynb #06c88111
-def _check_layers(layers, n_layers:int) -> Tuple[int, ...]:
-    "`memorizing_layers`: distinct layer indices in [0, n_layers), returned sorted."
+def _check_layers(layers, n_layers:int, name:str='memorizing_layers') -> Tuple[int, ...]:
+    "`memorizing_layers`, `nope_layers`: distinct layer indices in [0, n_layers), returned sorted; errors name the argument."
     if isinstance(layers, (int, str)) or not isinstance(layers, (tuple, list, range)):
-        raise TypeError(f"memorizing_layers must be a tuple of layer indices, e.g. (1,), got {type(layers).__name__} {layers!r}")
+        raise TypeError(f"{name} must be a tuple of layer indices, e.g. (1,), got {type(layers).__name__} {layers!r}")
     for i in layers:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers:
-            raise ValueError(f"memorizing_layers must hold layer indices in [0, n_layers={n_layers}), got {tuple(layers)!r}")
+            raise ValueError(f"{name} must hold layer indices in [0, n_layers={n_layers}), got {tuple(layers)!r}")
     if len(set(layers)) != len(layers):
-        raise ValueError(f"memorizing_layers lists a layer twice: {tuple(layers)!r}")
+        raise ValueError(f"{name} lists a layer twice: {tuple(layers)!r}")
     return tuple(sorted(layers))
 
 class DecoderLM(nn.Module):
@@ -163,6 +167,7 @@ class DecoderLM(nn.Module):
                  top_k:int=32,               # pairs each query retrieves from the kNN memory
                  knn_memory:type=KNNMemory,  # the kNN memory's class: exact `KNNMemory`, or approximate `FaissKNNMemory`
                  knn_memory_kwargs:Optional[dict]=None, # more arguments for it, e.g. `dict(nprobe=32)`
+                 nope_layers=(),             # indices of the layers with no position method (plain `MultiHeadAttention`)
                  **position_kwargs):         # passed to the position method's attention module (e.g. `P=`, `k=`)
         super().__init__()
         _check_int(n_vocab, 'n_vocab', 1); _check_int(d_model, 'd_model', 1); _check_int(heads, 'heads', 1)
@@ -181,6 +186,7 @@ class DecoderLM(nn.Module):
                                          f"so earlier segments would reuse them; use mem_len=0, got mem_len={mem_len}")
         _check_int(knn_capacity, 'knn_capacity', 1); _check_int(top_k, 'top_k', 1)
         self.memorizing_layers = _check_layers(memorizing_layers, n_layers)
+        self.nope_layers = _check_layers(nope_layers, n_layers, 'nope_layers')
         self.knn_capacity, self.top_k = knn_capacity, top_k
         self.knn_memory, self.knn_memory_kwargs = knn_memory, _check_knn_memory('DecoderLM', knn_memory, knn_memory_kwargs)
         self.n_vocab, self.d_model, self.heads, self.d_ff, self.dropout_p = n_vocab, d_model, heads, d_ff, dropout
@@ -191,7 +197,8 @@ class DecoderLM(nn.Module):
         self.layers = nn.ModuleList([self.make_layer(i) for i in range(n_layers)])
         self.norm = nn.LayerNorm([d_model])
         self.generator = nn.Linear(d_model, n_vocab)   # untied: labml_nn's Transformer-XL head, checkpoints load
-        attn = self.layers[0].self_attn
+        # memory and length limits are the position method's: read them from a layer that has it
+        attn = self.layers[next((i for i in range(n_layers) if i not in self.nope_layers), 0)].self_attn
         self.supports_memory = position != 'absolute' and attn.supports_memory
         if mem_len and not self.supports_memory:
             raise ValueError(f"position={position!r} does not support keys longer than queries; use mem_len=0")
@@ -205,10 +212,12 @@ class DecoderLM(nn.Module):
         if self.memorizing_layers and self.knn_memory is not KNNMemory:
             knn += f", knn_memory={self.knn_memory.__name__}"
             if self.knn_memory_kwargs: knn += f", knn_memory_kwargs={self.knn_memory_kwargs!r}"
-        return f"position={name!r}, mem_len={self.mem_len}, max_len={self.max_len}, max_keys={self.max_keys}" + knn
+        nope = f", nope_layers={self.nope_layers}" if self.nope_layers else ""
+        return f"position={name!r}, mem_len={self.mem_len}, max_len={self.max_len}, max_keys={self.max_keys}" + nope + knn
 
     def make_attention(self, layer:int) -> BatchFirstAttention:
-        "Self-attention of layer `layer`; override to give some layers another kind of attention."
+        "Self-attention of layer `layer` (plain `MultiHeadAttention` in `nope_layers`); override to give some layers another kind of attention."
+        if layer in self.nope_layers: return LabmlPosition(MultiHeadAttention)(self.d_model, self.heads, self.dropout_p, self.max_len, self.mem_len)
         build = POSITION_BUILDERS[self.position] if isinstance(self.position, str) else self.position
         return build(self.d_model, self.heads, self.dropout_p, self.max_len, self.mem_len, **self.position_kwargs)
 
@@ -219,7 +228,7 @@ class DecoderLM(nn.Module):
         return DecoderLayer(self.d_model, attn, self.d_ff, self.dropout_p)
 
 # %% ../nbs/09_models.ipynb #d7b9adb4
-KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5') # positions a kNN layer can take as its local side
+KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire') # positions a kNN layer can take as its local side
 
 @patch
 def make_memorizing(self:DecoderLM, layer:int,  # index of the layer
@@ -257,11 +266,13 @@ def _check_doc_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]
             raise ValueError(f"doc_start is on {doc_start.device} but the model's parameters are on {self.src_embed.weight.device}")
 
 @patch
-def _knn_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]):
-    "Check `doc_start` and the kNN memories' batch size, then empty the memories of the rows whose document starts."
+def _knn_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]) -> list:
+    "Check `doc_start` and the kNN memories' batch size (dropped when every row starts at a new one); return the memories held before, for `_knn_restore`."
     self._check_doc_start(batch, doc_start)
     layers = self.memorizing
-    held = {a.memory.batch_size for a in layers if a.memory is not None}
+    before = [a.memory for a in layers]
+    if batch == 0: return before   # no document: the kNN layers neither read nor write, whatever the memories hold
+    held = {m.batch_size for m in before if m is not None}
     if held and held != {batch}:
         # a new batch size is a new set of documents: allowed only when every row says so
         if doc_start is None or not bool(doc_start.all()):
@@ -269,8 +280,16 @@ def _knn_start(self:DecoderLM, batch:int, doc_start:Optional[torch.Tensor]):
                              f"doc_start=torch.ones({batch}, dtype=torch.bool) (every document starts; the memories are "
                              f"rebuilt for batch {batch}) or call release_knn_memory() first")
         for a in layers: a.release_memory()
-    if doc_start is not None:
-        for a in layers: a.reset_memory(doc_start)
+    # The rows whose document starts are emptied by each kNN layer itself (`start_of_document`, passed by `_run`),
+    # after it has checked the pairs it will store: a segment it refuses (NaN keys) leaves its memory as it was.
+    return before
+
+@patch
+def _knn_restore(self:DecoderLM, before:list):
+    "Put back the memories `_knn_start` returned (a refused call: one dropped for a new batch size comes back)."
+    for a, m in zip(self.memorizing, before):
+        if a.memory is not m: a.release_memory(); a.__dict__["memory"] = m   # kept out of the module tree, like the layer does
+
 
 # %% ../nbs/09_models.ipynb #78d728e6
 @patch
@@ -308,8 +327,8 @@ def load_knn_memory_state_dict(self:DecoderLM, state:Dict[int, dict]):
 
 # %% ../nbs/09_models.ipynb #76cc3af2
 @patch
-def _check_tokens(self:DecoderLM, tokens, name='tokens'):
-    "`tokens` must be integer ids `[batch, seq_len]` in `[0, n_vocab)` on the model's device; errors say `name`."
+def _check_tokens(self:DecoderLM, tokens, name='tokens') -> torch.Tensor:
+    "`tokens` must be integer ids `[batch, seq_len]` in `[0, n_vocab)` on the model's device; errors say `name`. Returns them as `torch.long`."
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor [batch, seq_len], got {type(tokens).__name__}")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -318,10 +337,14 @@ def _check_tokens(self:DecoderLM, tokens, name='tokens'):
         raise ValueError(f"{name} must have shape [batch, seq_len] (batch first), got {tuple(tokens.shape)}")
     if tokens.device != self.src_embed.weight.device:
         raise ValueError(f"{name} is on {tokens.device} but the model's parameters are on {self.src_embed.weight.device}")
-    if tokens.numel() and not torch.compiler.is_compiling():   # a data-dependent branch: skipped inside torch.compile
-        lo, hi = torch.aminmax(tokens)
+    # nn.Embedding takes long (or int32) ids only: int8, int16, uint8, uint16, ... are widened (no copy for long);
+    # the range is checked on the widened ids (aminmax has no unsigned 16/32/64-bit kernels)
+    ids = tokens.long()
+    if ids.numel() and not torch.compiler.is_compiling():   # a data-dependent branch: skipped inside torch.compile
+        lo, hi = torch.aminmax(ids)
         if lo < 0 or hi >= self.n_vocab:
             raise ValueError(f"{name} must be ids in [0, n_vocab={self.n_vocab}), got values in [{int(lo)}, {int(hi)}]")
+    return ids
 
 # %% ../nbs/09_models.ipynb #5ff6697f
 @patch
@@ -357,7 +380,7 @@ def _check_length(self:DecoderLM, n_keys:int, what:str):
 # %% ../nbs/09_models.ipynb #7bbd2718
 @patch
 def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
-         drop:Optional[torch.Tensor]=None): # bool `[batch]`: rows that never attend `memory` (their document starts here)
+         drop:Optional[torch.Tensor]=None): # bool `[batch]`: rows whose document starts here (never attend `memory`; kNN memories emptied)
     "Layers over `tokens` after `memory` (checked); returns logits and the new memory, `keep` positions long (None: all)."
     b, n = tokens.shape
     m = memory[0].shape[1] if memory else 0
@@ -370,6 +393,8 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
         # (positions inside the segment are relative to each other alike); one mask per row, [batch, n, m + n]
         mask = mask.expand(b, n, m + n).clone()
         mask[drop, :, :m] = False
+    # kNN layers empty the memories of these rows themselves, after checking what they will store
+    knn = {} if drop is None else dict(start_of_document=drop)
     new_memory = []
     for i, layer in enumerate(self.layers):
         mem = memory[i] if memory else None
@@ -379,7 +404,7 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
             elif keep <= n: h = x[:, n - keep:].detach()
             else: h = torch.cat((mem[:, max(0, mem.shape[1] - (keep - n)):], x.detach()), dim=1)
             new_memory.append(h)
-        x = layer(x, mem, mask)
+        x = layer(x, mem, mask, **(knn if i in self.memorizing_layers else {}))
     return self.generator(self.norm(x)), new_memory
 
 # %% ../nbs/09_models.ipynb #e139980d
@@ -389,7 +414,7 @@ def forward(self:DecoderLM, tokens:torch.Tensor,      # token ids `[batch, seq_l
             doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first, their XL memory is not attended)
            ) -> Tuple[torch.Tensor, List[torch.Tensor]]: # logits `[batch, seq_len, n_vocab]`, next memory (`[]` if `mem_len=0`)
     "Logits for `tokens` after `memory`, and the next memory: each layer's inputs on the last `mem_len` positions, detached."
-    self._check_tokens(tokens)
+    tokens = self._check_tokens(tokens)   # any integer dtype: long from here on
     if isinstance(memory, (list, tuple)) and len(memory) == 0: memory = None   # what mem_len=0 returns
     m = 0
     if memory is not None:
@@ -408,10 +433,30 @@ def forward(self:DecoderLM, tokens:torch.Tensor,      # token ids `[batch, seq_l
                              f"mem_len={self.mem_len} > tokens seq_len={tokens.shape[1]} the memory returned would keep "
                              f"their previous document; start documents in calls of seq_len >= mem_len, or in every "
                              f"row at once (doc_start all True drops the whole memory)")
-    self._knn_start(tokens.shape[0], doc_start)   # last: a refused call changes no memory
+    before = self._knn_start(tokens.shape[0], doc_start)   # last check: a refused call changes no memory
     if tokens.shape[1] == 0:  # nothing to attend from: empty logits, memory unchanged
         return self.generator(self.norm(self.src_embed(tokens))), ([] if memory is None else list(memory))
-    return self._run(tokens, memory, self.mem_len, doc_start)
+    try:
+        return self._run(tokens, memory, self.mem_len, doc_start)
+    except BaseException:
+        self._knn_restore(before)   # a kNN layer refused the segment (before writing): memories dropped above come back
+        raise
+
+# %% ../nbs/09_models.ipynb #d92bb417
+def _dry_run_apply(module:nn.Module, fn:Callable):
+    "Run `module._apply(fn)` on a stand-in of its class holding empty buffers of the same dtypes and devices: its checks, not its contents."
+    stand_in = object.__new__(type(module))
+    stand_in.__dict__.update(module.__dict__)
+    stand_in.__dict__.update(_parameters={}, _modules={},
+                             _buffers={k: None if t is None else t.new_empty(0) for k, t in module._buffers.items()})
+    stand_in._apply(fn)
+
+@patch
+def _apply(self:DecoderLM, fn, *args, **kwargs):
+    # every kNN memory is asked before any parameter or memory moves: a refusal leaves the model as it was
+    for a in self.memorizing:
+        if a.memory is not None: _dry_run_apply(a.memory, fn)
+    return nn.Module._apply(self, fn, *args, **kwargs)
 
 # %% ../nbs/09_models.ipynb #d35cbcce
 @patch
@@ -421,9 +466,9 @@ def generate(self:DecoderLM, prompt:torch.Tensor, # token ids `[batch, seq_len]`
              top_k:Optional[int]=None,      # sample among the `top_k` most likely tokens only
              generator:Optional[torch.Generator]=None, # random numbers for the sampling
              doc_start:Optional[torch.Tensor]=None, # bool `[batch]`: rows whose document starts with the prompt (kNN memories emptied first; generate starts with no XL memory)
-            ) -> torch.Tensor:              # `[batch, seq_len + max_new_tokens]`
+            ) -> torch.Tensor:              # `[batch, seq_len + max_new_tokens]` token ids (torch.long)
     "Sample continuations; each layer's earlier inputs are cached, so a new token costs one position, not the whole prefix."
-    self._check_tokens(prompt, 'prompt')
+    prompt = self._check_tokens(prompt, 'prompt')   # any integer dtype; the result is torch.long
     if prompt.shape[1] == 0: raise ValueError("prompt must hold at least one token per row, got seq_len 0")
     _check_int(max_new_tokens, 'max_new_tokens', 0)
     if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature >= 0):
@@ -434,28 +479,39 @@ def generate(self:DecoderLM, prompt:torch.Tensor, # token ids `[batch, seq_len]`
     self._check_length(prompt.shape[1] + max_new_tokens - 1, 'prompt seq_len + max_new_tokens - 1')
     with torch.no_grad():   # sampling builds no autograd graph
         if max_new_tokens == 0: return prompt
-        self._knn_start(prompt.shape[0], doc_start)   # kNN layers: the prompt continues the documents in their memories
-        was_training = self.training
+        before = self._knn_start(prompt.shape[0], doc_start)   # kNN layers: the prompt continues the documents in their memories
+        # eval mode for sampling, then every submodule back in its own mode (a frozen layer stays in eval)
+        modes = [(m, m.training) for m in self.modules()]
         self.eval()
         try:
             out = [prompt]
-            logits, cache = self._run(prompt, None, None)   # cache: every earlier layer input, kept whole
+            try:   # cache: every earlier layer input, kept whole; doc_start: the kNN layers empty those rows first
+                logits, cache = self._run(prompt, None, None, doc_start)
+            except BaseException:
+                self._knn_restore(before); raise
             for step in range(max_new_tokens):
                 nxt = _sample(logits[:, -1].float(), temperature, top_k, generator)
                 out.append(nxt)
                 if step + 1 < max_new_tokens: logits, cache = self._run(nxt, cache, None)
         finally:
-            self.train(was_training)
+            for m, mode in modes: m.training = mode
         return torch.cat(out, dim=1)
 
 def _sample(logits, temperature, top_k, generator):
     "Next token `[batch, 1]` from `logits [batch, n_vocab]`."
     if temperature == 0: return logits.argmax(-1, keepdim=True)
-    logits = logits / temperature
+    scaled = logits / temperature
+    if not bool(scaled.isfinite().all()):
+        # a tiny temperature overflows float32 (the softmax then computes inf - inf = NaN). The same distribution from
+        # each logit's distance to its row's largest, in float64 (where the temperature keeps its value): the largest
+        # gives exactly 0, a distance that overflows gives -inf, probability 0 as in exact arithmetic. The limit,
+        # greedy decoding (ties shared), comes out without a special case.
+        wide = logits.double()
+        scaled = (wide - wide.amax(-1, keepdim=True)) / temperature
     if top_k is not None:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float('-inf'))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float('-inf'))
+    return torch.multinomial(scaled.softmax(-1), 1, generator=generator)
 
 # %% ../nbs/09_models.ipynb #612e405e
 def labml_xl_state_dict(state_dict:dict, # a labml_nn Transformer-XL `AutoregressiveModel` (or `TransformerXLModel`) state_dict
