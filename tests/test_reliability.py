@@ -407,6 +407,81 @@ def _lm_tokens(b=2, n=5, seed=1):
     return torch.randint(0, VOCAB, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
+@case(*LM, "norm unknown")
+def _(mod): return raises(lambda: _lm(mod, "rotary", norm="batch"), "norm")
+
+
+@case(*LM, "ffn unknown")
+def _(mod): return raises(lambda: _lm(mod, "rotary", ffn="geglu"), "ffn")
+
+
+@case(*LM, "kv_heads with a position that has none")
+def _(mod): return raises(lambda: _lm(mod, "xl", kv_heads=1), "kv_heads")
+
+
+@case(*LM, "kv_heads not dividing heads")
+def _(mod): return raises(lambda: _lm(mod, "rotary", heads=4, kv_heads=3), "kv_heads")
+
+
+@case(*LM, "norm_eps 0")
+def _(mod): return raises(lambda: _lm(mod, "rotary", norm_eps=0.0), "norm_eps")
+
+
+@case(*LM, "position_ids wrong length")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), position_ids=torch.arange(4)), "position_ids")
+
+
+@case(*LM, "position_ids float")
+def _(mod):
+    m = _lm(mod, "alibi", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), position_ids=torch.arange(5.)), "position_ids")
+
+
+@case(*LM, "position_ids with position='xl'")
+def _(mod):
+    m = _lm(mod, "xl", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), position_ids=torch.arange(5)), "position_ids")
+
+
+@case(*LM, "attention_mask wrong shape")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), attention_mask=torch.ones(2, 4, dtype=torch.bool)), "attention_mask")
+
+
+@case(*LM, "attention_mask float")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), attention_mask=torch.ones(2, 5)), "attention_mask")
+
+
+@case(*LM, "norm='rms', ffn='swiglu', bias=False, tie_embeddings, kv_heads: padding == removing the padding")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0, heads=2, norm="rms", ffn="swiglu", bias=False, tie_embeddings=True, kv_heads=1)
+    t = _lm_tokens(b=1, n=5)
+    keep = torch.tensor([[0, 0, 1, 1, 1]])
+    padded = m(t, attention_mask=keep, position_ids=(keep.cumsum(-1) - 1).clamp(min=0))[0][:, 2:]
+    close(padded, m(t[:, 2:])[0], 1e-5, "left-padded vs unpadded logits")
+    return "ok (padding ignored)"
+
+
+@case("hf", "from_transformers", "unsupported module (lists the supported ones)")
+def _(mod):
+    out = raises(lambda: mod.from_transformers(torch.nn.Linear(2, 2)), "LlamaAttention")
+    return out
+
+
+@case("hf", "decoder_from_transformers", "position not swappable")
+def _(mod):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2))
+    return raises(lambda: mod.decoder_from_transformers(model, position='xl'), "position")
+
+
 def _lm_mem(m, b=2):
     return m(_lm_tokens(b=b))[1]
 
