@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from .mha import functorch_active, differentiable_backward, is_causal_mask
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 # %% ../nbs/03b_bias.ipynb #bias0006
 def toeplitz(values:torch.Tensor, # `[..., seq_len_q + seq_len_k - 1]`: one value per distance, smallest distance first
@@ -244,10 +245,12 @@ def flex_bias_attention(q:torch.Tensor,        # `[batch, heads, seq_q, d_k]`
 _FLEX_DEVICES = ('cuda',)   # where the layers take FlexAttention (tests add 'cpu' to run its forward there)
 
 def _use_flex(query:torch.Tensor, dropout_p:float) -> bool:
-    "The layers' route to FlexAttention: CUDA, FlexAttention present, no dropout, half or single precision, eager (not under torch.compile or torch.func)."
+    "The layers' route to FlexAttention: CUDA, FlexAttention present, no dropout, half or single precision, eager (not under torch.compile, torch.func or a TorchDispatchMode)."
+    # FlexAttention runs compiled: inside a caller's torch.compile, a torch.func transform or a dispatch mode (op
+    # counters, fake tensors) the layers keep their eager route
     return (query.device.type in _FLEX_DEVICES and _flex_attention is not None and dropout_p == 0.0
             and query.dtype in (torch.float16, torch.bfloat16, torch.float32) and not torch.compiler.is_compiling()
-            and not functorch_active() and query.shape[0] > 0)
+            and not functorch_active() and _get_current_dispatch_mode() is None and query.shape[0] > 0)
 
 def _flex_heads(query, key, value, score_mod, scale, mask):
     "`flex_bias_attention` on a layer's heads in labml layout: `[seq, batch, heads, d_k]` in and out, the prepared mask `[seq_q|1, seq_k, batch|1, 1]`."

@@ -451,10 +451,17 @@ def test_decoder_knn_non_finite_keys_refused():
     before = copy.deepcopy(lm.knn_memory_state_dict())
     with torch.no_grad(): lm.src_embed.weight[5] = float('nan')
     x = torch.randint(0, 5, (3, 8)); x[1, 3] = 5     # row 1 reads token 5 once
-    with pytest.raises(ValueError, match=r'MemorizingAttention: keys hold NaN or inf in batch elements \[1\]'):
-        lm(x, memory)
-    after = lm.knn_memory_state_dict()
-    assert all(torch.equal(after[i][k], before[i][k]) for i in before for k in before[i])
+    # without doc_start, with some rows starting, with every row starting, and with every row starting at a new batch
+    # size (the memories would be rebuilt): each call is refused and leaves every memory as it was
+    for call in [lambda: lm(x, memory), lambda: lm(x, memory, doc_start=torch.tensor([True, False, True])),
+                 lambda: lm(x, memory, doc_start=torch.ones(3, dtype=torch.bool)),
+                 lambda: lm(x[1:], doc_start=torch.ones(2, dtype=torch.bool)),
+                 lambda: lm.generate(x, 2, doc_start=torch.tensor([False, True, False]))]:
+        with pytest.raises(ValueError, match=r'MemorizingAttention: keys hold NaN or inf in batch elements \[[01]\]'):
+            call()
+        after = lm.knn_memory_state_dict()
+        assert all(torch.equal(after[i][k], before[i][k]) for i in before for k in before[i])
+        assert lm.memorizing[0].memory.batch_size == 3
     logits, _ = lm(torch.randint(0, 5, (3, 8)), memory)        # the memory is clean: later segments are finite
     assert torch.isfinite(logits).all()
 

@@ -1,12 +1,13 @@
 """relpos.models: every position method trains, evaluates at 8x its training length, runs with memory,
 generates with a cache that equals re-encoding; labml_nn Transformer-XL checkpoints load."""
-import ast, math
+import ast, copy, math
 from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
 from relpos.models import DecoderLM, POSITIONS, POSITION_BUILDERS, causal_mask, BatchFirstAttention
 from relpos.relative_mha import TransformerXLModel
+from relpos.memorizing import KNNMemory
 
 V = 13
 MEMORY = [p for p in POSITIONS if DecoderLM(V, d_model=8, heads=2, n_layers=1, position=p, max_len=4).supports_memory]
@@ -233,5 +234,127 @@ def test_generate_runs_one_position_per_new_token(position):
     lm = small(position, max_len=16)
     seen = []
     lm.layers[0].register_forward_pre_hook(lambda mod, args: seen.append((args[0].shape[1], 0 if args[1] is None else args[1].shape[1])))
-    lm.generate(torch.randint(0, V, (2, 5)), 6)
+    lm.generate(torch.randint(0, V, (2, 5)), 6, use_cache=False)
     assert seen == [(5, 0)] + [(1, 5 + s) for s in range(5)]   # (queries, cached positions)
+    # with the K/V cache (the default) a step projects the keys of one position and reads the others from the cache
+    keys = []
+    lm.layers[0].self_attn.module.key.register_forward_pre_hook(lambda mod, args: keys.append(args[0].shape[-2]))
+    lm.generate(torch.randint(0, V, (2, 5)), 6)
+    assert keys == [5] + [1] * 5
+
+
+# ---------------------------------------------------------------- 'fire' and nope_layers
+def test_fire_in_the_registry():
+    assert 'fire' in POSITIONS
+    lm = small('fire', mem_len=4)
+    assert type(lm.layers[0].self_attn.module).__name__ == 'FireMultiHeadAttention'
+    assert lm.supports_memory and lm.max_keys is None
+
+
+@pytest.mark.parametrize("position", [p for p in POSITIONS if p != 'absolute'])
+def test_all_layers_nope_equals_none(position):
+    "Every layer in nope_layers: the model is position='none' with the same weights (a strict state_dict load), with memory."
+    lm = randomized(small(position, nope_layers=(0, 1), mem_len=4, max_len=8)).eval()
+    plain = small('none', mem_len=4, max_len=8).eval()
+    plain.load_state_dict(lm.state_dict())
+    x = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        (a, ma), (b, mb) = lm(x), plain(x)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(lm(x, ma)[0], plain(x, mb)[0], rtol=0, atol=0)
+
+
+def test_nope_layers_mixed():
+    "nope_layers picks the plain layers; the others keep the method, its keyword arguments and its length limit."
+    lm = small('xl', n_layers=3, nope_layers=[0, 2], P=40)
+    kinds = [type(l.self_attn.module).__name__ for l in lm.layers]
+    assert kinds == ['MultiHeadAttention', 'RelativeMultiHeadAttention', 'MultiHeadAttention']
+    assert lm.layers[1].self_attn.module.P == 40 and lm.max_keys == 40   # read from the layer that has the method
+    assert lm.nope_layers == (0, 2) and 'nope_layers=(0, 2)' in repr(lm)
+    randomized(lm)(torch.randint(0, V, (1, 8)))
+
+
+@pytest.mark.parametrize("bad,match", [((3,), 'nope_layers must hold layer indices'), (1, 'nope_layers must be a tuple'),
+                                        ((0, 0), 'nope_layers lists a layer twice'), ((True,), 'nope_layers must hold')])
+def test_nope_layers_refused(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match): small('rotary', n_layers=3, nope_layers=bad)
+
+
+# ---------------------------------------------------------------- reliability (issue 27)
+def test_generate_restores_every_submodule_mode():
+    "A frozen (eval) submodule stays in eval and the rest in train after generate, also when generate raises."
+    lm = small('xl', max_len=16, dropout=0.1)
+    lm.train(); lm.layers[0].eval(); lm.norm.eval()
+    modes = {name: m.training for name, m in lm.named_modules()}
+    lm.generate(torch.zeros(1, 3, dtype=torch.long), 2)
+    assert {name: m.training for name, m in lm.named_modules()} == modes
+    def fail(*_): raise RuntimeError("boom")
+    hook = lm.layers[1].feed_forward.register_forward_pre_hook(fail)   # run by the cached and the uncached path
+    for use_cache in (True, False):
+        with pytest.raises(RuntimeError, match='boom'): lm.generate(torch.zeros(1, 3, dtype=torch.long), 2, use_cache=use_cache)
+        assert {name: m.training for name, m in lm.named_modules()} == modes
+    hook.remove()
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_generate_tiny_temperature_is_greedy(temperature):
+    "logits / temperature overflows in float32; the greedy limit is what comes out, not a multinomial error."
+    lm = randomized(small('xl', max_len=16)).eval()
+    prompt = torch.randint(0, V, (3, 4), generator=torch.Generator().manual_seed(3))
+    want = lm.generate(prompt, 8, temperature=0)
+    got = lm.generate(prompt, 8, temperature=temperature, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(got, want)
+    got = lm.generate(prompt, 8, temperature=temperature, top_k=3, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32])
+def test_small_integer_token_dtypes(dtype):
+    "Token ids in any integer dtype give the logits and generations of the same ids as torch.long."
+    lm = randomized(small('xl', max_len=16, mem_len=4)).eval()
+    ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want, want_mem = lm(ids)
+        got, got_mem = lm(ids.to(dtype))
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_mem, want_mem))
+        assert torch.equal(lm(ids.to(dtype), want_mem)[0], lm(ids, want_mem)[0])
+    out = lm.generate(ids.to(dtype), 3, temperature=0)
+    assert out.dtype == torch.long and torch.equal(out, lm.generate(ids, 3, temperature=0))
+    if dtype == torch.uint8:   # a wide unsigned id is still refused by name
+        with pytest.raises(ValueError, match=r'tokens must be ids in \[0, n_vocab=13\), got values in \[200, 200\]'):
+            lm(torch.full((1, 2), 200, dtype=dtype))
+        with pytest.raises(ValueError, match='prompt'): lm.generate(torch.full((1, 2), 200, dtype=dtype), 2)
+
+
+class _Float32OnlyMemory(KNNMemory):
+    "A kNN memory that, like FaissKNNMemory, refuses to become anything but float32 (checked before it moves)."
+    def _apply(self, fn, *args, **kwargs):
+        probe = fn(self.keys[:0])
+        if probe.dtype != torch.float32: raise TypeError(f"_Float32OnlyMemory holds float32; it cannot become {probe.dtype}")
+        return super()._apply(fn, *args, **kwargs)
+
+
+def _faiss_memory():
+    pytest.importorskip('faiss')
+    from relpos.memorizing import FaissKNNMemory
+    return FaissKNNMemory
+
+
+@pytest.mark.parametrize("memory_class", [lambda: _Float32OnlyMemory, _faiss_memory], ids=['float32-only', 'faiss'])
+@pytest.mark.parametrize("convert", [lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.bfloat16),
+                                     lambda m: m.to(dtype=torch.float64)])
+def test_refused_dtype_conversion_leaves_model_unchanged(convert, memory_class):
+    "A kNN memory that refuses a conversion refuses it before any layer (before or after it) has been converted."
+    torch.manual_seed(0)
+    lm = DecoderLM(V, d_model=16, heads=2, n_layers=3, max_len=8, mem_len=8, memorizing_layers=(1,), knn_capacity=16,
+                   top_k=2, knn_memory=memory_class()).eval()
+    x = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(): _, memory = lm(x, doc_start=torch.ones(2, dtype=torch.bool))
+    twin = copy.deepcopy(lm)
+    with pytest.raises((TypeError, ValueError), match='float32'): convert(lm)
+    for (name, a), b in zip(lm.state_dict().items(), twin.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert lm.memorizing[0].memory.dtype == torch.float32
+    with torch.no_grad(): torch.testing.assert_close(lm(x, memory)[0], twin(x, memory)[0], rtol=0, atol=0)
+    lm.release_knn_memory(); lm.double()                     # without a memory held, the conversion goes through
+    assert all(p.dtype == torch.float64 for p in lm.parameters())

@@ -76,6 +76,7 @@ ATTN = {
     ("relative_mha", "XLRelativeMultiHeadAttention"): lambda mod: mod.XLRelativeMultiHeadAttention(H, D, dropout_prob=0.0),
     ("rotary", "RotaryMultiHeadAttention"): lambda mod: mod.RotaryMultiHeadAttention(H, D, dropout_prob=0.0),
     ("alibi", "ALiBiMultiHeadAttention"): lambda mod: mod.ALiBiMultiHeadAttention(H, D, dropout_prob=0.0),
+    ("fire", "FireMultiHeadAttention"): lambda mod: mod.FireMultiHeadAttention(H, D, dropout_prob=0.0, init_L=3.5),
 }
 
 
@@ -406,6 +407,81 @@ def _lm_tokens(b=2, n=5, seed=1):
     return torch.randint(0, VOCAB, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
+@case(*LM, "norm unknown")
+def _(mod): return raises(lambda: _lm(mod, "rotary", norm="batch"), "norm")
+
+
+@case(*LM, "ffn unknown")
+def _(mod): return raises(lambda: _lm(mod, "rotary", ffn="geglu"), "ffn")
+
+
+@case(*LM, "kv_heads with a position that has none")
+def _(mod): return raises(lambda: _lm(mod, "xl", kv_heads=1), "kv_heads")
+
+
+@case(*LM, "kv_heads not dividing heads")
+def _(mod): return raises(lambda: _lm(mod, "rotary", heads=4, kv_heads=3), "kv_heads")
+
+
+@case(*LM, "norm_eps 0")
+def _(mod): return raises(lambda: _lm(mod, "rotary", norm_eps=0.0), "norm_eps")
+
+
+@case(*LM, "position_ids wrong length")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), position_ids=torch.arange(4)), "position_ids")
+
+
+@case(*LM, "position_ids float")
+def _(mod):
+    m = _lm(mod, "alibi", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), position_ids=torch.arange(5.)), "position_ids")
+
+
+@case(*LM, "position_ids with position='xl'")
+def _(mod):
+    m = _lm(mod, "xl", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), position_ids=torch.arange(5)), "position_ids")
+
+
+@case(*LM, "attention_mask wrong shape")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), attention_mask=torch.ones(2, 4, dtype=torch.bool)), "attention_mask")
+
+
+@case(*LM, "attention_mask float")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), attention_mask=torch.ones(2, 5)), "attention_mask")
+
+
+@case(*LM, "norm='rms', ffn='swiglu', bias=False, tie_embeddings, kv_heads: padding == removing the padding")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0, heads=2, norm="rms", ffn="swiglu", bias=False, tie_embeddings=True, kv_heads=1)
+    t = _lm_tokens(b=1, n=5)
+    keep = torch.tensor([[0, 0, 1, 1, 1]])
+    padded = m(t, attention_mask=keep, position_ids=(keep.cumsum(-1) - 1).clamp(min=0))[0][:, 2:]
+    close(padded, m(t[:, 2:])[0], 1e-5, "left-padded vs unpadded logits")
+    return "ok (padding ignored)"
+
+
+@case("hf", "from_transformers", "unsupported module (lists the supported ones)")
+def _(mod):
+    out = raises(lambda: mod.from_transformers(torch.nn.Linear(2, 2)), "LlamaAttention")
+    return out
+
+
+@case("hf", "decoder_from_transformers", "position not swappable")
+def _(mod):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2))
+    return raises(lambda: mod.decoder_from_transformers(model, position='xl'), "position")
+
+
 def _lm_mem(m, b=2):
     return m(_lm_tokens(b=b))[1]
 
@@ -433,6 +509,9 @@ for name, fn, names in [
 for name, kw, names in [
     ("mem_len < 0", dict(mem_len=-1), ("mem_len",)),
     ("unknown position (lists POSITIONS)", dict(position="rope"), ("POSITIONS",)),
+    ("nope_layers out of range", dict(nope_layers=(5,)), ("nope_layers",)),
+    ("nope_layers an int", dict(nope_layers=1), ("nope_layers",)),
+    ("nope_layers repeated", dict(nope_layers=(0, 0)), ("nope_layers",)),
     ("absolute with mem_len > 0", dict(position="absolute"), ("mem_len",)),
     ("absolute without max_len", dict(position="absolute", mem_len=0, max_len=None), ("max_len",)),
     ("d_model not divisible by heads", dict(d_model=9), ("d_model", "heads")),
@@ -440,6 +519,47 @@ for name, kw, names in [
     ("dropout 1.5", dict(dropout=1.5), ("dropout",)),
 ]:
     case(*LM, name)(lambda mod, kw=kw, names=names: raises(lambda: _lm(mod, **kw), *names))
+
+
+def _lm_cache(m, b=2, n=3, length=6):
+    "A K/V cache of `m` holding `n` tokens per row."
+    c = m.new_cache(b, length)
+    with torch.no_grad(): m(_lm_tokens(b=b, n=n), cache=c)
+    return c
+
+
+for name, fn, names in [
+    ("cache: from another batch size", lambda m: m(_lm_tokens(b=3, n=1), cache=_lm_cache(m)), ("batch", "cache")),
+    ("cache: from another model", lambda m: m(_lm_tokens(n=1), cache=_lm_cache(_lm(importlib.import_module("relpos.models")))), ("cache",)),
+    ("cache: wrong dtype", lambda m: (lambda c: m.double()(_lm_tokens(n=1), cache=c))(_lm_cache(m)), ("dtype", "cache")),
+    ("cache: not a KVCache", lambda m: m(_lm_tokens(n=1), cache=[]), ("cache", "KVCache")),
+    ("cache and memory together", lambda m: m(_lm_tokens(n=1), _lm_mem(m), cache=_lm_cache(m)), ("memory", "cache")),
+    ("cache: position_ids that do not continue it", lambda m: m(_lm_tokens(n=1), cache=_lm_cache(m), position_ids=torch.tensor([0])), ("position_ids",)),
+    ("cache: attention_mask of another shape", lambda m: m(_lm_tokens(n=2), cache=_lm_cache(m), attention_mask=torch.ones(2, 3, dtype=torch.long)), ("attention_mask",)),
+    ("cache: float attention_mask", lambda m: m(_lm_tokens(n=2), cache=_lm_cache(m), attention_mask=torch.ones(2, 2)), ("attention_mask",)),
+    ("new_cache: max_cache_len 0", lambda m: m.new_cache(1, 0), ("max_cache_len",)),
+    ("new_cache: float batch_size", lambda m: m.new_cache(1.0, 4), ("batch_size",)),
+    ("new_cache: xl window longer than P", lambda m: m.new_cache(1, 53), ("max_cache_len", "P")),   # P = 8 * 6 + 4 = 52
+    ("cache.reset: wrong shape", lambda m: _lm_cache(m).reset(torch.ones(3, dtype=torch.bool)), ("which",)),
+    ("generate: max_cache_len 0", lambda m: m.generate(_lm_tokens(), 2, max_cache_len=0), ("max_cache_len",)),
+    ("generate: attention_mask with use_cache=False", lambda m: m.generate(_lm_tokens(), 2, use_cache=False, attention_mask=torch.ones(2, 5)), ("attention_mask",)),
+    ("generate: use_cache not a bool", lambda m: m.generate(_lm_tokens(), 2, use_cache="yes"), ("use_cache",)),
+]:
+    case(*LM, name)(lambda mod, fn=fn, names=names: raises(lambda: fn(_lm(mod)), *names))
+
+
+@case(*LM, "cache: a refused call leaves it unchanged; cached == full model")
+def _(mod):
+    m = _lm(mod)
+    c = _lm_cache(m, n=3)
+    before = [t.clone() for t in (*c.keys, *c.values, c.positions, c.valid, c.next_position)] + [c.seen]
+    raises(lambda: m(_lm_tokens(n=1), cache=c, position_ids=torch.tensor([7])), "position_ids")
+    after = [t.clone() for t in (*c.keys, *c.values, c.positions, c.valid, c.next_position)] + [c.seen]
+    if not all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, after)):
+        raise Fail("a refused call changed the cache")
+    seq = torch.cat([_lm_tokens(n=3), _lm_tokens(n=2, seed=2)], 1)
+    with torch.no_grad(): close(m(seq[:, 3:], cache=c)[0], m(seq)[0][:, 3:], 1e-5, "cached vs full")
+    return "ok (unchanged; == full model)"
 
 
 @case(*LM, "absolute: beyond its table, and memory")
@@ -457,6 +577,43 @@ def _(mod):
     if out.shape != (2, 0, VOCAB) or any(not torch.equal(a, b) for a, b in zip(new_mem, mem)): raise Fail("empty segment")
     if m(_lm_tokens(b=0))[0].shape != (0, 5, VOCAB): raise Fail("batch 0")
     return "ok (empty, memory kept)"
+
+
+@case(*LM, "int8/int16/uint8/int32 token ids")
+def _(mod):
+    m = _lm(mod)
+    ids = _lm_tokens()
+    with torch.no_grad():
+        want = m(ids)[0]
+        for dtype in (torch.int8, torch.int16, torch.uint8, torch.int32):
+            close(m(ids.to(dtype))[0], want, 0, f"{dtype} logits")
+            if not torch.equal(m.generate(ids.to(dtype), 2, temperature=0), m.generate(ids, 2, temperature=0)):
+                raise Fail(f"{dtype} generate")
+    raises(lambda: m(torch.full((2, 3), 200, dtype=torch.uint8)), "tokens")
+    raises(lambda: m.generate(torch.full((2, 3), 200, dtype=torch.uint8), 2), "prompt")
+    return "ok (== long ids; uint8 >= n_vocab refused)"
+
+
+@case(*LM, "generate: temperature 1e-40 (greedy limit)")
+def _(mod):
+    m = _lm(mod)
+    got = m.generate(_lm_tokens(), 4, temperature=1e-40, generator=torch.Generator().manual_seed(0))
+    if not torch.equal(got, m.generate(_lm_tokens(), 4, temperature=0)): raise Fail("not the greedy tokens")
+    return "ok (== temperature 0)"
+
+
+@case(*LM, "batch 0 with kNN memories held")
+def _(mod):
+    m = _lm(mod, memorizing_layers=(1,), knn_capacity=8, top_k=2)
+    m(_lm_tokens(), doc_start=torch.ones(2, dtype=torch.bool))
+    before = {i: {k: t.clone() for k, t in s.items()} for i, s in m.knn_memory_state_dict().items()}
+    for doc_start in (None, torch.ones(0, dtype=torch.bool)):
+        out, mem = m(_lm_tokens(b=0), doc_start=doc_start)
+        if out.shape != (0, 5, VOCAB) or any(t.shape != (0, 4, D) for t in mem): raise Fail("batch 0 shapes")
+    if m.generate(_lm_tokens(b=0), 3).shape != (0, 8): raise Fail("generate batch 0")
+    after = m.knn_memory_state_dict()
+    if any(not torch.equal(after[i][k], before[i][k]) for i in before for k in before[i]): raise Fail("memory changed")
+    return "ok (empty logits, memories untouched)"
 
 
 @case("fourier", "FourierMultiHeadAttention", "keys beyond max_number_of_keys")
@@ -1040,6 +1197,65 @@ def _(mod):
 def _(mod): return raises(lambda: mod.T5MultiHeadAttention(0, 8), "heads")
 
 
+# ================================================================ relpos.fire
+FIRE_ = ("fire", "FireBias")
+
+
+@case(*FIRE_, "heads 0")
+def _(mod): return raises(lambda: mod.FireBias(0), "heads")
+
+
+@case(*FIRE_, "mlp_width float")
+def _(mod): return raises(lambda: mod.FireBias(2, mlp_width=2.5), "mlp_width")
+
+
+@case(*FIRE_, "init_L 0")
+def _(mod): return raises(lambda: mod.FireBias(2, init_L=0.0), "init_L")
+
+
+@case(*FIRE_, "init_c nan")
+def _(mod): return raises(lambda: mod.FireBias(2, init_c=float("nan")), "init_c")
+
+
+@case(*FIRE_, "init_c string")
+def _(mod): return raises(lambda: mod.FireBias(2, init_c="0.1"), "init_c")
+
+
+@case(*FIRE_, "eps negative")
+def _(mod): return raises(lambda: mod.FireBias(2, eps=-1.0), "eps")
+
+
+@case(*FIRE_, "more queries than keys")
+def _(mod): return raises(lambda: mod.FireBias(2)(5, 3), "seq_len_k", "offset")
+
+
+@case(*FIRE_, "negative offset")
+def _(mod): return raises(lambda: mod.FireBias(2)(3, 5, offset=-1), "offset")
+
+
+@case(*FIRE_, "zero queries / keys")
+def _(mod):
+    r = mod.FireBias(2)
+    for nq, nk in ((0, 4), (0, 0)):
+        if r(nq, nk).shape != (1, 2, nq, nk): raise Fail("shape")
+    return "ok (empty)"
+
+
+@case("fire", "FireMultiHeadAttention", "queries far beyond the threshold, with memory")
+def _(mod):
+    m = _randomize(ATTN[("fire", "FireMultiHeadAttention")](mod))
+    q, kv = _qkv(sq=20, sk=60)        # threshold L = 3.5 (times the randomised multiplier)
+    causal = torch.ones(20, 60, dtype=torch.bool).tril(40)[..., None]
+    finite(_both(m, q, kv)); finite(_both(m, q, kv, mask=causal))
+    return "ok (== readable)"
+
+
+@case("fire", "fire_attention", "more queries than keys")
+def _(mod):
+    q = torch.randn(1, 2, 5, 4)
+    return raises(lambda: mod.fire_attention(q, q[:, :, :3], q[:, :, :3], mod.FireBias(2), 0.5), "seq_q", "seq_k")
+
+
 # ================================================================ relpos.context_choice (batch-first)
 E = 8
 
@@ -1274,6 +1490,8 @@ MODULES = {
                                       "labml"),
     "alibi.ALiBiMultiHeadAttention(bidirectional)": ("alibi", "ALiBiMultiHeadAttention",
                                                      dict(heads=H, d_model=D, dropout_prob=0.0, bidirectional=True), "labml"),
+    "fire.FireMultiHeadAttention": ("fire", "FireMultiHeadAttention", dict(heads=H, d_model=D, dropout_prob=0.0, init_L=3.5),
+                                    "labml"),
     "relative_mha.TransformerXLModel": ("relative_mha", "TransformerXLModel",
                                         dict(n_vocab=VOCAB, d_model=D, heads=H, d_ff=16, n_layers=2, mem_len=4,
                                              max_seq_len=6), "tokens"),
@@ -1436,7 +1654,12 @@ def test_fast_path_equals_readable_path(name, sq, mem, b, p, seed):
         torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", LABML)
+# FIRE normalises each distance by the query's own position (its bias is not a function of the distance alone), so
+# removing the oldest keys moves the queries and changes the bias, by design
+SHIFT_INVARIANT = [n for n in LABML if n != "fire.FireMultiHeadAttention"]
+
+
+@pytest.mark.parametrize("name", SHIFT_INVARIANT)
 @settings(max_examples=15, deadline=None)
 @given(sq=st.integers(1, 5), mem=st.integers(1, 4), drop=st.integers(1, 4), seed=st.integers(0, 1000))
 def test_masking_the_oldest_keys_equals_removing_them(name, sq, mem, drop, seed):
