@@ -1,8 +1,9 @@
 # relpos: two commands do all the set-up on a fresh machine.
 #   make test   create .venv if missing, check notebooks and library are in sync and clean, nbdev_test, pytest
 #   make docs   create .venv if missing, export, build the rendered site into _docs/
-# Override the torch requirement for other platforms, e.g.
-#   make test TORCH="torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu"
+# Override the torch requirement for other platforms, e.g. the CPU build on a stock Linux machine (whose PyPI wheel is
+# the CUDA build); --index-url takes torch and its dependencies from that index only, so PyPI's CUDA wheel is never picked:
+#   make test TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv

@@ -195,7 +195,8 @@ def parse_tables(markdown:str) -> list: # one dict per table: `title`, `note`, `
             config = dict(kv.split('=', 1) for kv in cells[0].split() if '=' in kv)
             cur['rows'].append(dict(config={k: int(v) if v.lstrip('-').isdigit() else v for k, v in config.items()},
                                     case=cells[1], time_ms=_num(cells[2]), time_ratio=_num(cells[3]),
-                                    peak_mib=_num(cells[4]), peak_ratio=_num(cells[5])))
+                                    peak_mib=_num(cells[4]) if len(cells) > 5 else None,   # tables that time only
+                                    peak_ratio=_num(cells[5]) if len(cells) > 5 else None))
         elif line.startswith('torch ') and cur is not None: cur['note'] = line
     return tables
 

@@ -131,7 +131,7 @@ def sinusoid_positions(distance:torch.Tensor, # `[n]` relative distances $i - j$
 
 # %% ../nbs/02_relative_mha.ipynb #601e794a
 class XLRelativeMultiHeadAttention(_RelativeAttention):
-    "Transformer-XL's relative attention as in the paper: sinusoid `R`, learned projection `W_{k,R}` and biases `u`, `v`."
+    "Transformer-XL's relative attention as in the paper: sinusoid $R$, learned projection $W_{k,R}$ and biases $u$, $v$."
     def __init__(self, heads:int, d_model:int, dropout_prob:float=0.1, *,
                  need_weights:bool=False, chunk_size:Optional[int]=None):
         super().__init__(heads, d_model, dropout_prob, bias=False, need_weights=need_weights)

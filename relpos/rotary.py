@@ -58,19 +58,19 @@ def rotary_cos_sin(angles:torch.Tensor,    # `[..., rotary_dim // 2]` from `rota
                    interleaved:bool=False, # layout: halves (GPT-NeoX/LLaMA) or interleaved pairs (RoFormer/GPT-J)
                    dtype:Optional[torch.dtype]=None, # cast the result (transformers casts to the query's dtype)
                   ) -> Tuple[torch.Tensor, torch.Tensor]: # cos, sin `[..., rotary_dim]`, one value per feature
-    "cos and sin of `angles`, one per feature: `[c0..c_{d/2-1}, c0..c_{d/2-1}]` (halves) or `[c0, c0, c1, c1, ...]` (interleaved)."
+    "cos and sin of `angles`, one per feature: `[c[0] .. c[d/2-1], c[0] .. c[d/2-1]]` (halves) or `[c0, c0, c1, c1, ...]` (interleaved)."
     expand = (lambda t: t.repeat_interleave(2, dim=-1)) if interleaved else (lambda t: torch.cat([t, t], dim=-1))
     cos, sin = expand(angles.cos()), expand(angles.sin())
     return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
 # %% ../nbs/06_rotary.ipynb #93af2185
 def rotate_half(x:torch.Tensor) -> torch.Tensor:
-    "`[x1, x2] -> [-x2, x1]` on the last dim: pairs (x_d, x_{d+D/2}) turned by 90°, as in GPT-NeoX and LLaMA."
+    "`[x1, x2] -> [-x2, x1]` on the last dim: pairs (x[d], x[d + D/2]) turned by 90°, as in GPT-NeoX and LLaMA."
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 def rotate_every_two(x:torch.Tensor) -> torch.Tensor:
-    "`[x0, x1, x2, x3, ...] -> [-x1, x0, -x3, x2, ...]`: pairs (x_{2d}, x_{2d+1}) turned by 90°, as in RoFormer and GPT-J."
+    "`[x0, x1, x2, x3, ...] -> [-x1, x0, -x3, x2, ...]`: pairs (x[2d], x[2d+1]) turned by 90°, as in RoFormer and GPT-J."
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([-x2, x1], dim=-1).flatten(-2)
 

@@ -190,3 +190,111 @@ def test_long_pages_have_contents(site):
             assert toc, nb.name
             assert len(re.findall(r'<li', toc.group(0))) == n_sections
         else: assert not toc, nb.name
+
+
+# ---------------------------------------------------------------------------------------------- what a reader sees
+
+from html.parser import HTMLParser
+
+class _ReaderText(HTMLParser):
+    "Text of a page as a reader sees it, outside code-cell inputs, scripts and styles."
+    VOID = {'br', 'img', 'meta', 'link', 'hr', 'input', 'source', 'wbr'}
+    def __init__(self):
+        super().__init__(convert_charrefs=True); self.skip, self.runs = [], []
+    def handle_starttag(self, tag, attrs):
+        if tag in self.VOID: return
+        cls = (dict(attrs).get('class') or '').split()
+        self.skip.append(bool(self.skip and self.skip[-1]) or tag in ('script', 'style') or 'input_area' in cls)
+    def handle_endtag(self, tag):
+        if tag not in self.VOID and self.skip: self.skip.pop()
+    def handle_data(self, data):
+        if not (self.skip and self.skip[-1]): self.runs.append(data)
+
+def _reader_text(page):
+    p = _ReaderText(); p.feed(page); return ''.join(p.runs)
+
+_RAW_LINK = re.compile(r'\[[^\]\n]{1,120}\]\((?:https?://|[\w./-]+\.(?:html|ipynb)\b)[^)\s]*\)')
+_TEX = re.compile(r'[A-Za-z]\w*_\{[^}\n]*\}|\\(?:frac|sqrt|operatorname|mathrm|mathbf|mathcal|text|cdot|sum|theta|alpha|sigma)\b')
+
+def _raw_tex(text):
+    "TeX outside `$...$` / `$$...$$` (which MathJax typesets): shown to the reader as it is."
+    text = re.sub(r'\$\$.*?\$\$', '', text, flags=re.S)
+    return _TEX.findall(re.sub(r'(?<!\\)\$[^$]+?(?<!\\)\$', '', text))
+
+def test_reader_text_helpers_find_the_defects():
+    page = ('<div class="input_area"><pre>[`x`](https://a.b/c.html) W_{k,R}</pre></div>'
+            '<p>see [`alibi_slopes`](https://relpos.github.io/relpos/alibi.html#alibi_slopes) and <code>W_{k,R}</code>, '
+            'not $W_{k,R}$ or $$\\frac{a}{b}$$</p>')
+    text = _reader_text(page)
+    assert _RAW_LINK.findall(text) == ['[`alibi_slopes`](https://relpos.github.io/relpos/alibi.html#alibi_slopes)']
+    assert _raw_tex(text) == ['W_{k,R}']
+
+def test_no_raw_markdown_links_or_tex_on_pages(site):
+    "Link syntax or TeX that reaches the reader unrendered (nbdev links inside show_doc's signatures, TeX in code spans)."
+    out, _ = site
+    bad = {}
+    for p in _pages(out):
+        text = _reader_text(p.read_text())
+        found = _RAW_LINK.findall(text) + _raw_tex(text)
+        if found: bad[p.name] = found[:3]
+    assert not bad, bad
+
+# a warning's `Category: message` line, local file system paths, and transformers' log line about its attention dispatch
+_NOISE = re.compile(r'\w*Warning: |/work/|/home/|/tmp/|/site-packages/|\.venv/|You tried to access')
+
+@pytest.mark.parametrize('nb', NBS, ids=lambda p: p.name)
+def test_stored_outputs_have_no_noise(nb):
+    "Warnings, local paths and library log lines in stored outputs: silence them where they start, in the notebook."
+    bad = []
+    for i, c in enumerate(_nb(nb)['cells']):
+        for o in c.get('outputs', []):
+            text = ''.join(o.get('text', '')) + ''.join(''.join(v) for k, v in o.get('data', {}).items() if k.startswith('text/'))
+            bad += [f'cell {i}: ...{text[max(0, m.start() - 60):m.end() + 60]}...' for m in _NOISE.finditer(text)]
+    assert not bad, bad[:3]
+
+def test_models_registry_table_lists_every_position():
+    "Chapter 09's registry table is generated from the registry: one row per entry of POSITIONS."
+    from relpos.models import POSITIONS
+    tables = [''.join(o['data']['text/markdown']) for c in _nb(ROOT/'nbs'/'09_models.ipynb')['cells'] for o in c.get('outputs', [])
+              if '| `position` |' in ''.join(o.get('data', {}).get('text/markdown', ''))]
+    assert len(tables) == 1
+    rows = [l.split('|')[1].strip() for l in tables[0].splitlines()[2:] if l.startswith('|')]
+    assert rows == [f"`'{p}'`" for p in POSITIONS]
+
+def _cells(page):
+    "(kind, html) of each notebook cell of a rendered page, in order."
+    parts = re.split(r'<div class="cell border-box-sizing (text_cell|code_cell)\b[^"]*">', page)
+    return list(zip(parts[1::2], parts[2::2]))
+
+def _unannounced(page):
+    "Text cells ending in ':' whose next cell shows nothing (no code input, no output), or that end the page."
+    cells, bad = _cells(page), []
+    for i, (kind, body) in enumerate(cells):
+        text = html.unescape(re.sub(r'<[^>]+>', '', body)).strip()
+        if kind != 'text_cell' or not text.endswith(':'): continue
+        nxt_kind, nxt = cells[i + 1] if i + 1 < len(cells) else (None, '')
+        if nxt_kind != 'code_cell' or not re.search(r'class="[^"]*\b(input_area|output_area)\b', nxt): bad.append(text[-80:])
+    return bad
+
+def test_unannounced_finds_the_defect():
+    text = lambda t: f'<div class="cell border-box-sizing text_cell rendered"><p>{t}</p></div>'
+    code = lambda inner: f'<div class="cell border-box-sizing code_cell rendered">{inner}</div>'
+    assert _unannounced(text('The code that wires it in:') + text('## Memory')) == ['The code that wires it in:']
+    assert _unannounced(text('Then:') + code('')) == ['Then:'] and _unannounced(text('At the end:')) == ['At the end:']
+    assert _unannounced(text('Here:') + code('<div class="output_area">x</div>') + text('no colon.')) == []
+
+def test_no_announcement_without_what_it_announces(site):
+    "A text cell ending in ':' is followed by something to read: code or an output, not a heading, text or nothing."
+    out, _ = site
+    bad = [f'{p.name}: ...{t}' for p in _pages(out) for t in _unannounced(p.read_text())]
+    assert not bad, bad
+
+def test_readme_links_work_without_the_pages_site():
+    "README links to chapters point at the notebooks (present in every clone), and its addresses come from settings.ini."
+    text = (ROOT/'README.md').read_text()
+    cfg = render_docs.read_settings()
+    doc_url = cfg['doc_host'] + cfg['doc_baseurl']
+    assert doc_url not in text
+    for target in re.findall(r'\]\((nbs/[^)#\s]+)', text): assert (ROOT/target).exists(), target
+    assert f"pip install git+{cfg['git_url']}" in text
+    assert 'example.com' not in text + (ROOT/'settings.ini').read_text()

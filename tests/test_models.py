@@ -234,8 +234,13 @@ def test_generate_runs_one_position_per_new_token(position):
     lm = small(position, max_len=16)
     seen = []
     lm.layers[0].register_forward_pre_hook(lambda mod, args: seen.append((args[0].shape[1], 0 if args[1] is None else args[1].shape[1])))
-    lm.generate(torch.randint(0, V, (2, 5)), 6)
+    lm.generate(torch.randint(0, V, (2, 5)), 6, use_cache=False)
     assert seen == [(5, 0)] + [(1, 5 + s) for s in range(5)]   # (queries, cached positions)
+    # with the K/V cache (the default) a step projects the keys of one position and reads the others from the cache
+    keys = []
+    lm.layers[0].self_attn.module.key.register_forward_pre_hook(lambda mod, args: keys.append(args[0].shape[-2]))
+    lm.generate(torch.randint(0, V, (2, 5)), 6)
+    assert keys == [5] + [1] * 5
 
 
 # ---------------------------------------------------------------- 'fire' and nope_layers
@@ -284,10 +289,11 @@ def test_generate_restores_every_submodule_mode():
     lm.generate(torch.zeros(1, 3, dtype=torch.long), 2)
     assert {name: m.training for name, m in lm.named_modules()} == modes
     def fail(*_): raise RuntimeError("boom")
-    hook = lm.layers[1].register_forward_pre_hook(fail)
-    with pytest.raises(RuntimeError, match='boom'): lm.generate(torch.zeros(1, 3, dtype=torch.long), 2)
+    hook = lm.layers[1].feed_forward.register_forward_pre_hook(fail)   # run by the cached and the uncached path
+    for use_cache in (True, False):
+        with pytest.raises(RuntimeError, match='boom'): lm.generate(torch.zeros(1, 3, dtype=torch.long), 2, use_cache=use_cache)
+        assert {name: m.training for name, m in lm.named_modules()} == modes
     hook.remove()
-    assert {name: m.training for name, m in lm.named_modules()} == modes
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])

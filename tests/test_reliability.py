@@ -407,6 +407,81 @@ def _lm_tokens(b=2, n=5, seed=1):
     return torch.randint(0, VOCAB, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
+@case(*LM, "norm unknown")
+def _(mod): return raises(lambda: _lm(mod, "rotary", norm="batch"), "norm")
+
+
+@case(*LM, "ffn unknown")
+def _(mod): return raises(lambda: _lm(mod, "rotary", ffn="geglu"), "ffn")
+
+
+@case(*LM, "kv_heads with a position that has none")
+def _(mod): return raises(lambda: _lm(mod, "xl", kv_heads=1), "kv_heads")
+
+
+@case(*LM, "kv_heads not dividing heads")
+def _(mod): return raises(lambda: _lm(mod, "rotary", heads=4, kv_heads=3), "kv_heads")
+
+
+@case(*LM, "norm_eps 0")
+def _(mod): return raises(lambda: _lm(mod, "rotary", norm_eps=0.0), "norm_eps")
+
+
+@case(*LM, "position_ids wrong length")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), position_ids=torch.arange(4)), "position_ids")
+
+
+@case(*LM, "position_ids float")
+def _(mod):
+    m = _lm(mod, "alibi", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), position_ids=torch.arange(5.)), "position_ids")
+
+
+@case(*LM, "position_ids with position='xl'")
+def _(mod):
+    m = _lm(mod, "xl", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), position_ids=torch.arange(5)), "position_ids")
+
+
+@case(*LM, "attention_mask wrong shape")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), attention_mask=torch.ones(2, 4, dtype=torch.bool)), "attention_mask")
+
+
+@case(*LM, "attention_mask float")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0)
+    return raises(lambda: m(_lm_tokens(), attention_mask=torch.ones(2, 5)), "attention_mask")
+
+
+@case(*LM, "norm='rms', ffn='swiglu', bias=False, tie_embeddings, kv_heads: padding == removing the padding")
+def _(mod):
+    m = _lm(mod, "rotary", mem_len=0, heads=2, norm="rms", ffn="swiglu", bias=False, tie_embeddings=True, kv_heads=1)
+    t = _lm_tokens(b=1, n=5)
+    keep = torch.tensor([[0, 0, 1, 1, 1]])
+    padded = m(t, attention_mask=keep, position_ids=(keep.cumsum(-1) - 1).clamp(min=0))[0][:, 2:]
+    close(padded, m(t[:, 2:])[0], 1e-5, "left-padded vs unpadded logits")
+    return "ok (padding ignored)"
+
+
+@case("hf", "from_transformers", "unsupported module (lists the supported ones)")
+def _(mod):
+    out = raises(lambda: mod.from_transformers(torch.nn.Linear(2, 2)), "LlamaAttention")
+    return out
+
+
+@case("hf", "decoder_from_transformers", "position not swappable")
+def _(mod):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2))
+    return raises(lambda: mod.decoder_from_transformers(model, position='xl'), "position")
+
+
 def _lm_mem(m, b=2):
     return m(_lm_tokens(b=b))[1]
 
@@ -444,6 +519,47 @@ for name, kw, names in [
     ("dropout 1.5", dict(dropout=1.5), ("dropout",)),
 ]:
     case(*LM, name)(lambda mod, kw=kw, names=names: raises(lambda: _lm(mod, **kw), *names))
+
+
+def _lm_cache(m, b=2, n=3, length=6):
+    "A K/V cache of `m` holding `n` tokens per row."
+    c = m.new_cache(b, length)
+    with torch.no_grad(): m(_lm_tokens(b=b, n=n), cache=c)
+    return c
+
+
+for name, fn, names in [
+    ("cache: from another batch size", lambda m: m(_lm_tokens(b=3, n=1), cache=_lm_cache(m)), ("batch", "cache")),
+    ("cache: from another model", lambda m: m(_lm_tokens(n=1), cache=_lm_cache(_lm(importlib.import_module("relpos.models")))), ("cache",)),
+    ("cache: wrong dtype", lambda m: (lambda c: m.double()(_lm_tokens(n=1), cache=c))(_lm_cache(m)), ("dtype", "cache")),
+    ("cache: not a KVCache", lambda m: m(_lm_tokens(n=1), cache=[]), ("cache", "KVCache")),
+    ("cache and memory together", lambda m: m(_lm_tokens(n=1), _lm_mem(m), cache=_lm_cache(m)), ("memory", "cache")),
+    ("cache: position_ids that do not continue it", lambda m: m(_lm_tokens(n=1), cache=_lm_cache(m), position_ids=torch.tensor([0])), ("position_ids",)),
+    ("cache: attention_mask of another shape", lambda m: m(_lm_tokens(n=2), cache=_lm_cache(m), attention_mask=torch.ones(2, 3, dtype=torch.long)), ("attention_mask",)),
+    ("cache: float attention_mask", lambda m: m(_lm_tokens(n=2), cache=_lm_cache(m), attention_mask=torch.ones(2, 2)), ("attention_mask",)),
+    ("new_cache: max_cache_len 0", lambda m: m.new_cache(1, 0), ("max_cache_len",)),
+    ("new_cache: float batch_size", lambda m: m.new_cache(1.0, 4), ("batch_size",)),
+    ("new_cache: xl window longer than P", lambda m: m.new_cache(1, 53), ("max_cache_len", "P")),   # P = 8 * 6 + 4 = 52
+    ("cache.reset: wrong shape", lambda m: _lm_cache(m).reset(torch.ones(3, dtype=torch.bool)), ("which",)),
+    ("generate: max_cache_len 0", lambda m: m.generate(_lm_tokens(), 2, max_cache_len=0), ("max_cache_len",)),
+    ("generate: attention_mask with use_cache=False", lambda m: m.generate(_lm_tokens(), 2, use_cache=False, attention_mask=torch.ones(2, 5)), ("attention_mask",)),
+    ("generate: use_cache not a bool", lambda m: m.generate(_lm_tokens(), 2, use_cache="yes"), ("use_cache",)),
+]:
+    case(*LM, name)(lambda mod, fn=fn, names=names: raises(lambda: fn(_lm(mod)), *names))
+
+
+@case(*LM, "cache: a refused call leaves it unchanged; cached == full model")
+def _(mod):
+    m = _lm(mod)
+    c = _lm_cache(m, n=3)
+    before = [t.clone() for t in (*c.keys, *c.values, c.positions, c.valid, c.next_position)] + [c.seen]
+    raises(lambda: m(_lm_tokens(n=1), cache=c, position_ids=torch.tensor([7])), "position_ids")
+    after = [t.clone() for t in (*c.keys, *c.values, c.positions, c.valid, c.next_position)] + [c.seen]
+    if not all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, after)):
+        raise Fail("a refused call changed the cache")
+    seq = torch.cat([_lm_tokens(n=3), _lm_tokens(n=2, seed=2)], 1)
+    with torch.no_grad(): close(m(seq[:, 3:], cache=c)[0], m(seq)[0][:, 3:], 1e-5, "cached vs full")
+    return "ok (unchanged; == full model)"
 
 
 @case(*LM, "absolute: beyond its table, and memory")

@@ -99,3 +99,15 @@ def test_study_results_with_a_larger_budget_name_both_and_qualify_memory():
     table = R.which_to_use()
     assert '`xl` with `mem_len`, given enough training' in table and 'after 4× the steps: 1.200' in table
     assert '`none` 1.500 → 1.900' in table   # the larger budget's rise beyond the training length
+
+def test_study_results_do_not_recommend_memory_that_one_pass_methods_beat():
+    "Memory that beats `xl` but not a method read in one pass is no recommendation: the row says what is unknown."
+    from bench.study import StudyResults
+    spec = {'none': (2.0, 2.1), 'xl': (1.5, 2.0), 'alibi': (1.5, 1.45), 'xl+memory': (1.6, 1.7)}
+    res = {'results': [_fake(l, s, a, b, 1.0) for s in range(2) for l, (a, b) in spec.items()],
+           'timing': [_fake(l, 0, 0, 0, 1.0 + (l == 'xl+memory')) for l in spec]}
+    R = StudyResults(res)
+    assert R.verdicts()['memory_helps']
+    table = R.which_to_use()
+    assert '| long texts read segment by segment | not known: only `xl` was trained with memory' in table
+    assert '`xl` with `mem_len`' not in table and 'read in one pass, `alibi` 1.450' in table and '2.00× the step time' in table

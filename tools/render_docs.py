@@ -181,6 +181,9 @@ _re_span_attr = re.compile(r'\[([^\]\n]+)\]\{(?=[.#]|[\w-]+=)[^}\n]*\}')
 _re_img_attr = re.compile(r'(!\[[^\]\n]*\]\([^)\n]*\))\{[^}\n]*\}')
 _re_link_attr = re.compile(r'(?<!!)\[([^\]\n]*)\]\(([^)\s]*)\)\{([^}\n]*)\}')
 _re_shortcode = re.compile(r'\{\{<.*?>\}\}')
+# nbdev links every backticked name it knows, the argument comments of show_doc's signature included; that signature
+# is a code block, where a link cannot render and `[`name`](url)` would show as it is: keep the code span, drop the link
+_re_code_link = re.compile(r'\[(`[^`\n]+`)\]\([^)\s]+\)')
 
 def _link_attr(m):
     "`[text](url){target=\"_blank\" .cls key=\"v\"}` (nbdev's show_doc `source` link) -> an `<a>` with those attributes."
@@ -204,7 +207,8 @@ def _div_open(attrs):
 
 def degrade_quarto(md):
     "Quarto-only markdown -> plain markdown + HTML: `:::` divs (callouts) balanced inside the text become `<div>`s,"
-    " unbalanced ones are dropped; `{...}` attributes and `{{< >}}` shortcodes are removed. Code fences untouched."
+    " unbalanced ones are dropped; `{...}` attributes and `{{< >}}` shortcodes are removed. In code fences only nbdev's"
+    " links around code spans are undone (a code block shows no link)."
     lines, out, fence, stack = md.split('\n'), [], None, []
     opens = {}
     for i, l in enumerate(lines):   # pair the ::: markers first, so unbalanced ones can be dropped
@@ -222,7 +226,7 @@ def degrade_quarto(md):
     for i, l in enumerate(lines):
         if fence:
             if l.strip().startswith(fence): fence = None
-            out.append(l); continue
+            out.append(_re_code_link.sub(r'\1', l)); continue
         m = _re_fence.match(l)
         if m: fence = m.group(1); out.append(l); continue
         m = _re_div.match(l)
@@ -574,7 +578,8 @@ def copy_assets(body, nbs, out):
 
 def readme_text(nb_path=None):
     "README.md from `nbs/index.ipynb` after nbdev's processors: `# title`, `> description`, markdown cells,"
-    " shown code and its text / text/markdown outputs. `X.ipynb` links point to `nbs/X.ipynb`."
+    " shown code and its text / text/markdown outputs. `X.ipynb` links, and nbdev's links to the doc site's pages,"
+    " point to `nbs/X.ipynb`."
     nb_path = Path(nb_path or ROOT/'nbs'/'index.ipynb')
     os.environ.setdefault('MPLBACKEND', 'Agg')
     with warnings.catch_warnings():
@@ -605,6 +610,14 @@ def readme_text(nb_path=None):
             if txt.strip(): parts.append(f'    ' + txt.replace('\n', '\n    '))
     md = '\n\n'.join(parts) + '\n'
     md = re.sub(r'\]\((?:\./)?([^)\s#:/]+)\.ipynb(#[^)\s]*)?\)', r'](nbs/\1.ipynb\2)', md)
+    # nbdev's links to names point at the Pages site (`{doc_host}{doc_baseurl}/shift.html#shift_right`): in the README
+    # they point at the chapter's notebook instead, which exists wherever the README is read (GitHub, a clone)
+    cfg = read_settings()
+    doc_url = (cfg.get('doc_host', '') + cfg.get('doc_baseurl', '')).rstrip('/')
+    if doc_url:
+        chapters = {re.sub(r'^\d+[a-z]?_', '', p.stem) + '.html': p.name for p in list_notebooks(nb_path.parent)}
+        def chapter(m): return f'](nbs/{chapters[m.group(1)]})' if m.group(1) in chapters else m.group(0)
+        md = re.sub(r'\]\(' + re.escape(doc_url) + r'/([^)\s#/]+\.html)(?:#[^)\s]*)?\)', chapter, md)
     md = re.sub(r'(?m)[ \t]+$', '', md)
     return re.sub(r'\n{3,}', '\n\n', md)
 
