@@ -62,7 +62,8 @@ study: env
 	$(BIN)/python tools/execute_nb.py $(STUDY_NB) nbs/index.ipynb && $(BIN)/nbdev_clean --fname $(STUDY_NB) && $(BIN)/nbdev_clean --fname nbs/index.ipynb
 
 # The Memorizing Transformer on long documents (bench/memorizing_study.py): every (setting, seed) not yet stored in
-# nbs/data/memorizing_study/ (resumable: rerun to continue; about an hour on 2 cores), then the chapter that reports it.
+# nbs/data/memorizing_study/ (resumable: rerun to continue), then the chapter that reports it. The 20 runs need about
+# half an hour of CPU time (one thread each, two at a time); on a machine shared with other jobs, several times that.
 MEMSTUDY_NB := nbs/10_memorizing.ipynb
 memorizing-study: env
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.memorizing_study
@@ -73,7 +74,7 @@ memorizing-study: env
 TORCH_OLDEST ?= torch==2.4.1
 smoke-oldest:
 	test -x .venv-oldest/bin/python || $(PYTHON) -m venv .venv-oldest
-	.venv-oldest/bin/python -m pip install -q "$(TORCH_OLDEST)" numpy
+	.venv-oldest/bin/python -m pip install -q "$(TORCH_OLDEST)" numpy "fastcore>=1.5.29,<2"
 	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) .venv-oldest/bin/python tools/smoke.py
 
 clean:

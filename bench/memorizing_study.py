@@ -367,6 +367,16 @@ class MemStudyResults:
         m = statistics.mean(d)
         return m, len(d) > 1 and abs(m) >= 0.005 and all((x < 0) == (m < 0) for x in d)
 
+    def growth(self, label, base='none'):
+        """How much more `label` gains over `base` late in documents than in their first kilobyte: (Δ at 8-16 KB) −
+        (Δ at 0-1 KB), per seed, as `gain` reports it. What retrieval adds shows here; a difference the model has at
+        every offset (from training it differently) cancels."""
+        late, early = self.diffs(label, base, *LATE), self.diffs(label, base, *EARLY)
+        d = [a - b for a, b in zip(late, early)]
+        if not d: return math.nan, False
+        m = statistics.mean(d)
+        return m, len(d) > 1 and abs(m) >= 0.005 and all((x < 0) == (m < 0) for x in d)
+
     def cost(self, label, key='step_cpu', base='none') -> float:
         "Median step time of `label` over the median of `base` (CPU time per step by default: one thread, so the work)."
         med = lambda l: statistics.median(r[key] for r in self.runs(l))
@@ -386,13 +396,15 @@ class MemStudyResults:
         "Markdown: every setting's bits per byte (all scored bytes, the first KB, 8-16 KB), its gain over no memory late in documents, and its cost."
         fmt = lambda m, s: f'{m:.3f}' + ('' if math.isnan(s) else f' ± {s:.3f}')
         head = ('| setting | seeds | bpb, all | bpb, bytes 0–1 KB | bpb, bytes 8–16 KB | Δ vs none, 8–16 KB | '
-                'CPU per step vs none | wall per step vs none |\n|---|---|---|---|---|---|---|---|')
+                'late Δ − early Δ | CPU per step vs none | wall per step vs none |\n|---|---|---|---|---|---|---|---|---|')
         rows = []
         for l in self.labels:
             m, s, n = self.bpb(l); e, es, _ = self.bpb(l, *EARLY); t, ts, _ = self.bpb(l, *LATE)
             g, sure = self.gain(l, 'none', *LATE)
             gs = '' if l == 'none' else f"{g:+.3f}" + (' (both seeds)' if sure else '')
-            rows.append(f"| `{l}` | {n} | {fmt(m, s)} | {fmt(e, es)} | {fmt(t, ts)} | {gs} | "
+            w, wsure = self.growth(l)
+            ws = '' if l == 'none' else f"{w:+.3f}" + (' (both seeds)' if wsure else '')
+            rows.append(f"| `{l}` | {n} | {fmt(m, s)} | {fmt(e, es)} | {fmt(t, ts)} | {gs} | {ws} | "
                         f"{self.cost(l):.2f}× | {self.cost(l, 'step_time'):.2f}× |")
         return head + '\n' + '\n'.join(rows)
 
@@ -405,8 +417,10 @@ class MemStudyResults:
         return f'`{label}` − `{base}`: {m:+.3f} bits per byte ({tag})'
 
     def verdict(self, label, base, lo=LATE[0], hi=LATE[1]):
-        "'better', 'worse' (every seed agrees, at least 0.005 bits), 'no difference' (otherwise), or None (not run)."
+        """'better', 'worse' (every seed agrees, at least 0.005 bits), 'no difference' (otherwise), 'one seed' (only one
+        seed of both stored: no verdict), or None (not run)."""
         if label not in self.labels or base not in self.labels: return None
+        if len(self.diffs(label, base, lo, hi)) < 2: return 'one seed'
         m, sure = self.gain(label, base, lo, hi)
         return ('better' if m < 0 else 'worse') if sure else 'no difference'
 
@@ -419,8 +433,8 @@ class MemStudyResults:
         more = [v(b, a) for b, a in steps]
         out = [('a kNN memory lowers bits per byte', v('knn 16x', 'none'), c('knn 16x', 'none')),
                ('more memory lowers it more (1× → 4× → 16× → 64× the segment)',
-                None if not steps else 'better' if all(x == 'better' for x in more) else
-                'worse' if any(x == 'worse' for x in more) else 'no difference',
+                None if not steps else 'one seed' if 'one seed' in more else 'better' if all(x == 'better' for x in more)
+                else 'worse' if any(x == 'worse' for x in more) else 'no difference',
                 '; '.join(c(b, a) for b, a in steps)),
                ('the XL cache lowers it', v('xl', 'none'), c('xl', 'none')),
                ('the XL cache gains more than the kNN memory alone', v('xl', 'knn 16x'), c('xl', 'knn 16x')),

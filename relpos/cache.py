@@ -371,7 +371,7 @@ def cache_tables(self:XLRelativeMultiHeadAttention, L:int, dtype):
     return r.transpose(0, 1), (r * self.v).sum(-1).t()
 
 @patch
-def cache_position_term(self:(RelativeMultiHeadAttention, XLRelativeMultiHeadAttention), q, step, layer):
+def cache_position_term(self:RelativeMultiHeadAttention, q, step, layer):
     "Transformer-XL: content queries `q + u`; the position term $Q_i \\cdot R_{j-i} + S_{j-i}$ of the new queries' row, scaled."
     R, S = _layer_tables(self, step, layer)
     qr = torch.matmul(q, R.transpose(-1, -2)) + S[:, None, :]        # [b, h, n, L]: every distance the window holds
@@ -380,10 +380,14 @@ def cache_position_term(self:(RelativeMultiHeadAttention, XLRelativeMultiHeadAtt
     return q + self.content_bias()[:, None, :], pos * self.scale
 
 @patch
-def cache_prefill(self:(RelativeMultiHeadAttention, XLRelativeMultiHeadAttention), q, k, v, mask):
+def cache_prefill(self:RelativeMultiHeadAttention, q, k, v, mask):
     "Prefill: the blockwise fast path (`relative_attention`) over the prompt, which must fit the tables (`P`)."
     self.check_lengths(q.shape[1], k.shape[1])
     return MultiHeadAttention.cache_prefill(self, q, k, v, mask)
+
+# both Transformer-XL forms share the two hooks (a tuple annotation would give nbdev no single class to document them on)
+XLRelativeMultiHeadAttention.cache_position_term = RelativeMultiHeadAttention.cache_position_term
+XLRelativeMultiHeadAttention.cache_prefill = RelativeMultiHeadAttention.cache_prefill
 
 # %% ../nbs/09a_cache.ipynb #f9e6e319
 @patch

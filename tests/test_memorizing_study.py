@@ -234,6 +234,8 @@ def test_results_reader_pairs_seeds_and_marks_only_agreeing_differences():
     assert R.verdict('knn 64x', 'none') is None                                           # not run
     assert math.isclose(R.bpb('none', *S.EARLY)[0], 3.0) and math.isclose(R.cost('knn 16x'), 3.0)
     assert [b for b, _ in R.curve('none')] == [(0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192), (8192, 16384)]
+    w, wsure = R.growth('knn 16x')   # early bytes are 3.0 everywhere: the growth is the late gain
+    assert math.isclose(w, -0.075) and wsure
     table = R.table()
     assert '| `knn 16x` | 2 |' in table and '-0.075 (both seeds)' in table and '3.00×' in table
     claims = dict((c, v) for c, v, _ in R.paper_ordering())
@@ -241,3 +243,5 @@ def test_results_reader_pairs_seeds_and_marks_only_agreeing_differences():
     assert claims['the XL cache gains more than the kNN memory alone'] == 'no difference'   # +0.2, -0.05: seeds disagree
     assert claims['memory + XL cache beats the XL cache alone'] is None                       # not run
     assert R.verdict('none', 'knn 16x') == 'worse'
+    R1 = S.MemStudyResults([r for r in runs if r.get('seed') == 0])          # one seed: no verdict either way
+    assert R1.verdict('knn 16x', 'none') == 'one seed' and not R1.gain('knn 16x', 'none', *S.LATE)[1]
