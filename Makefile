@@ -74,7 +74,7 @@ memorizing-study: env
 TORCH_OLDEST ?= torch==2.4.1
 smoke-oldest:
 	test -x .venv-oldest/bin/python || $(PYTHON) -m venv .venv-oldest
-	.venv-oldest/bin/python -m pip install -q "$(TORCH_OLDEST)" numpy
+	.venv-oldest/bin/python -m pip install -q "$(TORCH_OLDEST)" numpy "fastcore>=1.5.29,<2"
 	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) .venv-oldest/bin/python tools/smoke.py
 
 clean:

@@ -148,6 +148,12 @@ def main(batch_sizes=(1, 8), store=True, threads=1):
                         f"{HEADS} heads, {LAYERS} layers (CPU, float32)",
                   note=note, table=table, per_token=per_token, llama=hf, config=config())
     if store: OUT.write_text(json.dumps(result, indent=1))
+    return markdown(result)
+
+
+def markdown(result:dict) -> str:
+    "The tables of a result (as `main` stores it in nbs/data/cache_bench.json)."
+    table, hf, note = result['table'], result['llama'], result['note']
     lines = ['**Generation: tokens/s per method, with the K/V cache and with the hidden-state memory (use_cache=False)**', '',
              '| method | batch | cached tok/s | uncached tok/s | cached / uncached | last 32 / first 32 (cached) |',
              '|---|---|---|---|---|---|']

@@ -178,7 +178,7 @@ try:
     from torch.nn.attention.flex_attention import flex_attention as _flex_attention, create_block_mask as _create_block_mask
 except ImportError:   # torch < 2.5
     _flex_attention = _create_block_mask = None
-_flex_compiled, _causal_block_masks = None, {}
+_flex_compiled, _causal_block_masks = {}, {}   # compiled FlexAttention per device type; causal BlockMasks
 
 def flex_available() -> bool:
     "True when this torch has FlexAttention (`torch.nn.attention.flex_attention`)."
@@ -221,7 +221,6 @@ def flex_bias_attention(q:torch.Tensor,        # `[batch, heads, seq_q, d_k]`
                         causal:bool=False,     # hide keys after their query (last query on the last key)
                        ) -> torch.Tensor:      # `[batch, heads, seq_q, d_v]`; fully masked rows are 0
     "`softmax(q k^T * scale + bias) v` through FlexAttention (compiled), the bias given by `score_mod`, the masks by a `BlockMask`."
-    global _flex_compiled
     if _flex_attention is None: raise RuntimeError("FlexAttention needs torch >= 2.5 (torch.nn.attention.flex_attention)")
     b, nq, nk = q.shape[0], q.shape[-2], k.shape[-2]
     if mask is None and causal:   # the causal BlockMask depends on the lengths alone: built once per (n_q, n_k, device)
@@ -234,9 +233,11 @@ def flex_bias_attention(q:torch.Tensor,        # `[batch, heads, seq_q, d_k]`
         block_mask = None if mask_mod is None else _create_block_mask(
             mask_mod, b if mask.shape[0] > 1 else None, None, nq, nk, device=q.device)
     if torch.compiler.is_compiling(): flex = _flex_attention        # inside the caller's graph
-    else:
-        if _flex_compiled is None: _flex_compiled = torch.compile(_flex_attention)   # eager flex_attention is a slow reference
-        flex = _flex_compiled
+    else:   # compiled once per device type (eager flex_attention is a slow reference); on CPU, where only the tests run
+        # it, with static shapes: torch 2.13's CPU template can emit C++ that does not compile for symbolic sizes
+        if q.device.type not in _flex_compiled:
+            _flex_compiled[q.device.type] = torch.compile(_flex_attention, dynamic=False if q.device.type == 'cpu' else None)
+        flex = _flex_compiled[q.device.type]
     x = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if mask is not None:   # a row whose keys are all hidden: 0, as everywhere in relpos (and never NaN)
         x = x * mask.any(-1)[:, None, :, None].to(x.dtype)

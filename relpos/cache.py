@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['KVCache', 'CacheStep', 'supports_cache', 'full_logits']
 
-# %% ../nbs/09a_cache.ipynb #1c114245
+# %% ../nbs/09a_cache.ipynb #e0740206
 import math, weakref
 from typing import List, Optional, Tuple
 import torch
@@ -22,7 +22,7 @@ from .shaw import RelationAwareMultiHeadAttention, masked_score
 from .fire import FireMultiHeadAttention, fire_psi
 from .models import DecoderLM, _check_int, _sample
 
-# %% ../nbs/09a_cache.ipynb #d5e8cdf2
+# %% ../nbs/09a_cache.ipynb #f76b6afe
 class KVCache:
     "Per layer the projected keys and values of the last `max_cache_len` tokens, `[batch, kv_heads, max_cache_len, head_dim]`, preallocated and written in place (a ring), with each slot's position id and whether it holds a token."
     def __init__(self,
@@ -75,7 +75,7 @@ class KVCache:
         return (f"KVCache(layers={self.n_layers}, batch_size={self.batch_size}, max_cache_len={self.max_cache_len}, "
                 f"filled={len(self)}, seen={self.seen}, dtype={self.dtype}, device={self.device})")
 
-# %% ../nbs/09a_cache.ipynb #d7e2d7f0
+# %% ../nbs/09a_cache.ipynb #fa111ac2
 @patch
 def reset(self:KVCache, which:torch.Tensor): # bool `[batch]`: rows whose document ends (their next token starts a new one)
     "Mask out every cached token of the rows in `which`; their next token gets position id 0."
@@ -98,7 +98,7 @@ def clear(self:KVCache):
     self.seen, self.all_valid = 0, True
     self.tables = [None] * self.n_layers
 
-# %% ../nbs/09a_cache.ipynb #384752b6
+# %% ../nbs/09a_cache.ipynb #23ac9d80
 class CacheStep:
     "What one call of a cached model shares across its layers: where the new tokens go, their position ids, and the mask and distances of the keys they attend to."
     def __init__(self, cache:KVCache, n:int, q_pos:torch.Tensor, new_valid:Optional[torch.Tensor]):
@@ -176,7 +176,7 @@ class CacheStep:
         if self.new_valid is not None: m = m & self.new_valid[:, None, :]
         return m
 
-# %% ../nbs/09a_cache.ipynb #71cdeb59
+# %% ../nbs/09a_cache.ipynb #476fc337
 _CACHE_HOOKS = ('cache_shape', 'cache_project', 'cache_prefill', 'cache_attend', 'cache_position_term', 'cache_tables', 'cache_limit',
                 'cache_prefill_ok')
 _POSITION_HOOKS = ('forward', 'get_scores', 'position_bias', 'attention_fast', 'attention_reference', 'sdpa', 'rotate',
@@ -195,7 +195,7 @@ def supports_cache(module:nn.Module) -> bool:
     if cached is None or not hasattr(module, 'cached_attention'): return False
     return issubclass(cached, _definer(cls, _POSITION_HOOKS))
 
-# %% ../nbs/09a_cache.ipynb #47da9ab5
+# %% ../nbs/09a_cache.ipynb #ebc10f81
 @patch
 def cache_shape(self:MultiHeadAttention) -> Tuple[int, int, int]:
     "`(kv_heads, d_k, d_v)` of the cached keys and values: `kv_heads` wide when the layer has grouped-query heads."
@@ -244,7 +244,7 @@ def cache_attend(self:MultiHeadAttention, q, k, v, step:CacheStep, layer:int) ->
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
-# %% ../nbs/09a_cache.ipynb #c5771bef
+# %% ../nbs/09a_cache.ipynb #b5d570fd
 @patch
 def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]`, the new tokens' (normalised) layer inputs
                      cache:KVCache, layer:int, step:CacheStep,
@@ -274,7 +274,7 @@ def _write(K, V, k, v, step:CacheStep):
     if isinstance(w, slice): K[:, :, w] = k; V[:, :, w] = v
     else: K.index_copy_(2, w, k); V.index_copy_(2, w, v)
 
-# %% ../nbs/09a_cache.ipynb #e74f79f4
+# %% ../nbs/09a_cache.ipynb #38fbb8f3
 def _layer_tables(module, step:CacheStep, layer:int):
     "The layer's position tables over distances `-(L-1) .. 0` (`module.cache_tables`), made once per cache and again when a parameter changes."
     c = step.cache
@@ -289,7 +289,7 @@ def _gather_distance(table:torch.Tensor, step:CacheStep) -> torch.Tensor:
     idx = step.distance_index()                               # [b, 1, n, keys]
     return table[:, idx[:, 0]].transpose(0, 1)               # [h, b, n, keys] -> [b, h, n, keys]
 
-# %% ../nbs/09a_cache.ipynb #bfdef3cf
+# %% ../nbs/09a_cache.ipynb #55d74851
 @patch
 def cache_project(self:RotaryMultiHeadAttention, x, step:CacheStep):
     "Project, then rotate the new queries and keys by their position ids: keys enter the cache rotated, once."
@@ -321,7 +321,7 @@ def cache_attend(self:RotaryMultiHeadAttention, q, k, v, step, layer):
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
-# %% ../nbs/09a_cache.ipynb #fc6b35b3
+# %% ../nbs/09a_cache.ipynb #756da015
 @patch
 def cache_tables(self:ALiBiMultiHeadAttention, L:int, dtype):
     "`[heads, L]`: $m_h d$ for $d = -(L-1) .. 0$, as `alibi_bias` computes it."
@@ -353,7 +353,7 @@ def cache_tables(self:FourierMultiHeadAttention, L:int, dtype):
 def cache_position_term(self:FourierMultiHeadAttention, q, step, layer):
     return q, _gather_distance(_layer_tables(self, step, layer), step)
 
-# %% ../nbs/09a_cache.ipynb #11cb390f
+# %% ../nbs/09a_cache.ipynb #864b46a5
 @patch
 def cache_limit(self:RelativeMultiHeadAttention): return self.P, 'P'
 
@@ -371,7 +371,7 @@ def cache_tables(self:XLRelativeMultiHeadAttention, L:int, dtype):
     return r.transpose(0, 1), (r * self.v).sum(-1).t()
 
 @patch
-def cache_position_term(self:(RelativeMultiHeadAttention, XLRelativeMultiHeadAttention), q, step, layer):
+def cache_position_term(self:RelativeMultiHeadAttention, q, step, layer):
     "Transformer-XL: content queries `q + u`; the position term $Q_i \\cdot R_{j-i} + S_{j-i}$ of the new queries' row, scaled."
     R, S = _layer_tables(self, step, layer)
     qr = torch.matmul(q, R.transpose(-1, -2)) + S[:, None, :]        # [b, h, n, L]: every distance the window holds
@@ -380,12 +380,16 @@ def cache_position_term(self:(RelativeMultiHeadAttention, XLRelativeMultiHeadAtt
     return q + self.content_bias()[:, None, :], pos * self.scale
 
 @patch
-def cache_prefill(self:(RelativeMultiHeadAttention, XLRelativeMultiHeadAttention), q, k, v, mask):
+def cache_prefill(self:RelativeMultiHeadAttention, q, k, v, mask):
     "Prefill: the blockwise fast path (`relative_attention`) over the prompt, which must fit the tables (`P`)."
     self.check_lengths(q.shape[1], k.shape[1])
     return MultiHeadAttention.cache_prefill(self, q, k, v, mask)
 
-# %% ../nbs/09a_cache.ipynb #826f4ef6
+# both Transformer-XL forms share the two hooks (a tuple annotation would give nbdev no single class to document them on)
+XLRelativeMultiHeadAttention.cache_position_term = RelativeMultiHeadAttention.cache_position_term
+XLRelativeMultiHeadAttention.cache_prefill = RelativeMultiHeadAttention.cache_prefill
+
+# %% ../nbs/09a_cache.ipynb #f9e6e319
 @patch
 def cache_position_term(self:FireMultiHeadAttention, q, step, layer):
     "FIRE: the MLP on the new rows' normalised distances $\\psi(i-j)/\\psi(\\max(L, i))$, from the position ids (no table: the row depends on $i$)."
@@ -400,7 +404,7 @@ def cache_prefill_ok(self:FireMultiHeadAttention, step):
     "The fast path places query i at index i: right for a prompt without padding (ids = indices), not for a left-padded one."
     return step.new_valid is None
 
-# %% ../nbs/09a_cache.ipynb #ef37b04e
+# %% ../nbs/09a_cache.ipynb #86ff9f7c
 @patch
 def cache_shape(self:RelationAwareMultiHeadAttention): return self.num_heads, self.head_dim, self.head_dim
 
@@ -455,7 +459,7 @@ def cached_attention(self:RelationAwareMultiHeadAttention, x, cache, layer, step
         _write(K, V, k, v, step)
     return self.fc(out.flatten(2))
 
-# %% ../nbs/09a_cache.ipynb #f39bb939
+# %% ../nbs/09a_cache.ipynb #e98cb10d
 @patch
 def new_cache(self:DecoderLM, batch_size:int,  # rows decoded side by side
               max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included
@@ -473,7 +477,7 @@ def supports_cache(self:DecoderLM) -> bool:
     "Whether every layer decodes with a `KVCache` (not the kNN layers, nor a custom builder's attention without a cached path)."
     return not self.memorizing_layers and all(supports_cache(getattr(l.self_attn, 'module', l.self_attn)) for l in self.layers)
 
-# %% ../nbs/09a_cache.ipynb #803b2f0e
+# %% ../nbs/09a_cache.ipynb #aae270d6
 @patch
 def _check_cache(self:DecoderLM, cache, batch:int):
     if not isinstance(cache, KVCache):
@@ -526,7 +530,7 @@ def _cache_positions(self:DecoderLM, cache:KVCache, n:int, attention_mask, posit
                              f"build DecoderLM(..., max_len={top + 1}) (or larger)")
     return q_pos, valid
 
-# %% ../nbs/09a_cache.ipynb #9a22752f
+# %% ../nbs/09a_cache.ipynb #7c5aba0a
 @patch
 def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:bool=False) -> torch.Tensor:
     "The layers over the new tokens with the cache (inputs checked): each layer projects only them and attends over its cache."
@@ -568,7 +572,7 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
     if doc_start is not None: cache.reset(doc_start)                  # last: a refused call changes nothing
     return self._cached_run(tokens, cache, q_pos, valid)
 
-# %% ../nbs/09a_cache.ipynb #dce02164
+# %% ../nbs/09a_cache.ipynb #4cc228e2
 def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
                 attention_mask:Optional[torch.Tensor]=None,    # `[batch, n]`, 0: padding (never attended; positions count only tokens)
                 max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i
@@ -588,7 +592,7 @@ def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
     for layer in model.layers: x = layer(x, None, mask)
     return model.generator(model.norm(x))
 
-# %% ../nbs/09a_cache.ipynb #d2998de9
+# %% ../nbs/09a_cache.ipynb #03279950
 @patch
 def _generate_cached(self:DecoderLM, prompt, max_new_tokens:int, temperature, top_k, generator,
                      attention_mask, max_cache_len) -> torch.Tensor:
