@@ -426,7 +426,8 @@ class MemStudyResults:
 
     def paper_ordering(self) -> list:
         """The paper's claims as this section checks them (late in documents, 8-16 KB), each with what the runs say:
-        (claim, verdict here, evidence). A claim holds when every seed agrees."""
+        (claim, verdict here, evidence). A claim holds when every seed agrees; 'mixed': one step of the memory sizes is
+        better in every seed, another worse."""
         v, c = self.verdict, self.compare
         sizes = [l for l in ('knn 1x', 'knn 4x', 'knn 16x', 'knn 64x') if l in self.labels]
         steps = [(b, a) for a, b in zip(sizes, sizes[1:])]
@@ -434,7 +435,7 @@ class MemStudyResults:
         out = [('a kNN memory lowers bits per byte', v('knn 16x', 'none'), c('knn 16x', 'none')),
                ('more memory lowers it more (1× → 4× → 16× → 64× the segment)',
                 None if not steps else 'one seed' if 'one seed' in more else 'better' if all(x == 'better' for x in more)
-                else 'worse' if any(x == 'worse' for x in more) else 'no difference',
+                else 'mixed' if 'better' in more and 'worse' in more else 'worse' if 'worse' in more else 'no difference',
                 '; '.join(c(b, a) for b, a in steps)),
                ('the XL cache lowers it', v('xl', 'none'), c('xl', 'none')),
                ('the XL cache gains more than the kNN memory alone', v('xl', 'knn 16x'), c('xl', 'knn 16x')),

@@ -245,3 +245,11 @@ def test_results_reader_pairs_seeds_and_marks_only_agreeing_differences():
     assert R.verdict('none', 'knn 16x') == 'worse'
     R1 = S.MemStudyResults([r for r in runs if r.get('seed') == 0])          # one seed: no verdict either way
     assert R1.verdict('knn 16x', 'none') == 'one seed' and not R1.gain('knn 16x', 'none', *S.LATE)[1]
+
+
+def test_more_memory_claim_is_mixed_when_size_steps_disagree():
+    runs = [_fake_run(l, s, v + 0.01 * s) for s in (0, 1)
+            for l, v in (('none', 2.0), ('knn 1x', 2.1), ('knn 4x', 2.05), ('knn 16x', 2.2), ('knn 64x', 2.2))]
+    claims = {c: v for c, v, _ in S.MemStudyResults(runs).paper_ordering()}
+    assert claims['more memory lowers it more (1× → 4× → 16× → 64× the segment)'] == 'mixed'
+    assert claims['a kNN memory lowers bits per byte'] == 'worse'
