@@ -364,7 +364,7 @@ def cache_tables(self:RelativeMultiHeadAttention, L:int, dtype):
 
 @patch
 def cache_tables(self:XLRelativeMultiHeadAttention, L:int, dtype):
-    "`W_{k,R} R_{i-j}` `[heads, L, d_k]` and `v . W_{k,R} R_{i-j}` `[heads, L]` for distances $i - j = L-1 .. 0$: projected once per cache."
+    "$W_{k,R} R_{i-j}$ `[heads, L, d_k]` and $v \\cdot W_{k,R} R_{i-j}$ `[heads, L]` for distances $i - j = L-1 .. 0$: projected once per cache."
     dist = torch.arange(L - 1, -1, -1, device=self.u.device)           # i - j, so that column c serves j - i = c - (L - 1)
     sin_dtype = torch.float64 if self.u.dtype == torch.float64 else torch.float32
     r = self.pos_linear(sinusoid_positions(dist, self.d_model, sin_dtype).to(self.u.dtype)).view(L, self.heads, self.d_k)
