@@ -169,6 +169,7 @@ class DecoderLayer(nn.Module):
                 memory:Optional[torch.Tensor],  # `[batch, m, d_model]` earlier layer inputs, or None
                 mask:torch.Tensor,              # bool `[n, m + n]` or `[batch, n, m + n]`
                 **attn_kwargs):                 # passed to the attention (`position_ids`, a kNN layer's `start_of_document`)
+        "Self-attention of `x` over `[memory, x]` and the feed-forward block, each added to the residual stream (`parallel_residual`: both read `x`)."
         h = x if memory is None else torch.cat((memory, x), dim=1)
         h = self.norm_self_attn(h)              # keys and values: memory and segment, normalised alike
         z = h[:, -x.shape[1]:]                  # queries: the segment
