@@ -298,3 +298,15 @@ def test_readme_links_work_without_the_pages_site():
     for target in re.findall(r'\]\((nbs/[^)#\s]+)', text): assert (ROOT/target).exists(), target
     assert f"pip install git+{cfg['git_url']}" in text
     assert 'example.com' not in text + (ROOT/'settings.ini').read_text()
+
+
+def test_slow_cells_import_nothing():
+    "nbdev's doc processing executes every code cell that imports: a `#| slow` cell (a benchmark, the study) that imports"
+    " would run whenever the site is built, and rewrite its stored results. Its imports belong in the chapter's import cell."
+    bad = []
+    for nb in NBS:
+        for i, c in enumerate(_nb(nb)['cells']):
+            src = ''.join(c['source'])
+            if c['cell_type'] == 'code' and src.lstrip().startswith('#| slow') and re.search(r'^\s*(import|from)\s', src, re.M):
+                bad.append(f'{nb.name} cell {i}')
+    assert not bad, bad
