@@ -310,3 +310,14 @@ def test_slow_cells_import_nothing():
             if c['cell_type'] == 'code' and src.lstrip().startswith('#| slow') and re.search(r'^\s*(import|from)\s', src, re.M):
                 bad.append(f'{nb.name} cell {i}')
     assert not bad, bad
+
+
+def test_inline_math_has_no_big_delimiters():
+    "The offline MathJax copy stops typesetting a page at an inline `\\big(`: every later formula on it shows as raw TeX."
+    bad = []
+    for nb in NBS:
+        for i, c in enumerate(_nb(nb)['cells']):
+            if c['cell_type'] != 'markdown': continue
+            text = re.sub(r'\$\$.*?\$\$', '', ''.join(c['source']), flags=re.S)
+            bad += [f'{nb.name} cell {i}: {m}' for m in re.findall(r'(?<!\\)\$[^$]+?(?<!\\)\$', text) if re.search(r'\\[bB]ig', m)]
+    assert not bad, bad[:5]
