@@ -433,14 +433,18 @@ class StudyResults:
         return [k for k in self.expected.get(phase, []) if k not in have]
 
     def coverage(self) -> str:
-        "Which runs are stored, phase by phase, and which expected ones are missing (a sentence for the chapter)."
+        "Which runs are stored, phase by phase, and which expected ones are missing, seed by seed (a sentence for the chapter)."
         out = []
         for p in PHASES:
             have, miss = self.stored(p), self.missing(p)
-            if not have and not miss: continue
-            s = f"{p}: {len(have)} runs stored"
-            if p in self.expected: s += f" of {len(self.expected[p])}"
-            if miss: s += '; missing: ' + ', '.join(f'`{l}` seed {k}' for l, k in miss)
+            if not have and p != 'main': continue
+            s = f"{p}: {len(have)} runs stored" + (f" of {len(self.expected[p])}" if p in self.expected else '')
+            by_seed = {}
+            for l, k in miss: by_seed.setdefault(k, []).append(l)
+            every = {l for l, _ in self.expected.get(p, [])}
+            if by_seed:
+                s += '; missing: ' + '; '.join(f"seed {k}: " + ('every label' if set(ls) == every else ', '.join(f'`{l}`' for l in ls))
+                                               for k, ls in sorted(by_seed.items()))
             out.append(s)
         return '; '.join(out) + '.'
 
@@ -513,7 +517,8 @@ class StudyResults:
         near = [l for l in one if m(l, seq, 'nonoverlap') <= m(best_short, seq, 'nonoverlap') + 0.02]
         refused = [l for l in one if m(l, L, 'sliding') == math.inf]
         rise = {l: m(l, L, 'sliding') - m(l, seq, 'sliding') for l in one if l not in refused}
-        return dict(best_short=best_short, near=near, cheapest_near=min(near, key=self.time_ratio),
+        tr = lambda l: math.inf if math.isnan(self.time_ratio(l)) else self.time_ratio(l)
+        return dict(best_short=best_short, near=near, cheapest_near=min(near, key=lambda l: (tr(l), l != best_short)),
                     best_long={p: min(one, key=lambda l: m(l, L, p)) for p in PROTOCOLS},
                     best_memory={p: min(mem, key=lambda l: m(l, L, p)) if mem else None for p in PROTOCOLS},
                     refused=refused, rise=rise,
@@ -521,14 +526,15 @@ class StudyResults:
 
     def which_to_use(self) -> str:
         "Markdown table: what to pick for which need, each row with the stored numbers it rests on."
+        if not self.one_pass(): return '*No run of the study is stored yet: `make study` runs it.*'
         seq, L, v = self.seq, self.long, self.verdicts()
         b = lambda l, n, p, ph='main': f"{self.mean(l, n, p, ph):.3f}"
         rows = []
         best, cheap = v['best_short'], v['cheapest_near']
         ev = f"`{best}` {b(best, seq, 'nonoverlap')} at {seq} (protocol a)"
-        if cheap != best:
+        if cheap != best and self.time_ratio(cheap) < self.time_ratio(best):
             ev += f"; `{cheap}` {b(cheap, seq, 'nonoverlap')} at {self.time_ratio(cheap):.2f}× the step time of `none` (`{best}`: {self.time_ratio(best):.2f}×)"
-        rows.append(('the best quality at the length you train on', f'`{best}`' + (f' (or `{cheap}`, cheaper)' if cheap != best else ''), ev))
+        rows.append(('the best quality at the length you train on', f'`{best}`' + (f' (or `{cheap}`, cheaper)' if cheap != best and self.time_ratio(cheap) < self.time_ratio(best) else ''), ev))
         bl = v['best_long']
         if bl['nonoverlap'] == bl['sliding']:
             l = bl['sliding']

@@ -111,7 +111,7 @@ def test_cli_stores_each_run_skips_stored_ones_and_loads_a_partial_store(tmp_pat
     assert 'stored main none seed 0' in listing
     (tmp_path / files[0]).unlink()                                    # a partial store loads and says what is missing
     R = StudyResults(S.load_results(tmp_path), {'main': [('alibi', 0), ('none', 0)]})
-    assert R.labels == ['none'] and R.missing() == [('alibi', 0)] and '`alibi` seed 0' in R.coverage()
+    assert R.labels == ['none'] and R.missing() == [('alibi', 0)] and 'seed 0: `alibi`' in R.coverage()
     assert R.table().count('\n') == 2 and R.seq == 16
 
 def _fake(label, seed, bpb, phase='main', step=1.0, seq=128):
