@@ -128,7 +128,7 @@ def _synthetic(long_phase=False):
         'alibi': ({'alibi': ((2.00, 1.95, 1.93, 1.92), (1.90, 1.85, 1.84, 1.84))}, 1.1),
         'fourier': ({'fourier': ((1.99, 2.0, 2.1, 2.2), (1.89, 1.9, 2.0, 2.1))}, 1.5),
         'rotary': ({'rotary': ((2.05, 2.3, 2.6, 2.9), (1.95, 2.2, 2.5, 2.8)),
-                    'rotary+yarn+ft': ((2.06, 1.96, 1.90, 1.91), (1.96, 1.86, 1.80, 1.86))}, 1.2),
+                    'rotary+yarn+ft': ((1.90, 1.96, 1.90, 1.91), (1.96, 1.86, 1.80, 1.86))}, 1.2),   # best at 128 by (a): fine-tuned longer
         'alibi+memory': ({'alibi+memory': ((2.0, 1.9, 1.88, 1.87), (1.9, 1.88, 1.88, 1.88))}, 1.3)}
     runs = [_fake(l, s, {d: tuple(tuple(x + 0.001 * s if isinstance(x, float) else x for x in p) for p in v) for d, v in b.items()}, step=t)
             for s in range(3) for l, (b, t) in spec.items()]
@@ -143,6 +143,7 @@ def test_summaries_follow_the_numbers():
     assert (R.seq, R.long, R.lengths) == (128, 1024, [128, 256, 512, 1024])
     assert R.labels == ['none', 'absolute', 'fourier', 'rotary', 'rotary+yarn+ft', 'alibi', 'alibi+memory']
     v = R.verdicts()
+    # at the training length only models as trained compete (the fine-tuned variant had 10% more steps)
     assert v['best_short'] == 'fourier' and v['near'] == ['fourier', 'alibi'] and v['cheapest_near'] == 'alibi'
     assert v['best_long'] == {'nonoverlap': 'rotary+yarn+ft', 'sliding': 'alibi'}        # the protocols disagree
     assert v['best_memory']['nonoverlap'] == 'alibi+memory' and v['refused'] == ['absolute'] and v['worse'] == ['rotary']
