@@ -306,6 +306,8 @@ def test_bench_decoder_runs_generate_loops():
         assert torch.equal(torch.stack(got, 1), lm.generate(prompt, 6, temperature=0, use_cache=use_cache)[:, 4:])
     times = bc.interleaved_steps(lm, [prompt, tokens(2, 7, 2)], True, steps=3, rounds=2)
     assert len(times) == 2 and all(len(t) == 3 and min(t) > 0 for t in times)
+    prof = bc.step_profile(lm, prompt, steps=2, rounds=1, warmup=1)
+    assert set(prof) == {'attention_ms', 'linear_ms', 'other_ms'} and prof['attention_ms'] > 0 and prof['linear_ms'] > 0
 
 
 @pytest.mark.parametrize("kw", [dict(norm='rms', ffn='swiglu', bias=False, kv_heads=1, heads=4),
