@@ -54,11 +54,14 @@ DEVICE ?=
 bench: env
 	RELPOS_BENCH_DEVICE=$(DEVICE) $(BIN)/python -m bench
 
-# The chapter "Which method?": train every position method (bench/study.py, results in nbs/data/study.json; about an
-# hour on 2 cores), then execute the chapter and the docs home, whose tables and pictures are read from those results.
+# The chapter "Which method?": train every position method and its variants (bench/study.py), each run stored as soon as
+# it finishes in nbs/data/study/<phase>__<label>__seed<k>.json (resumable: rerun to continue), then execute the chapter
+# and the docs home, whose tables and pictures are read from the stored runs. PHASE=main (60 runs, about an hour
+# and a half on 2 cores), PHASE=long (4x the steps for the best methods of main), PHASE=timing (step times: a quiet machine).
 STUDY_NB := nbs/11_which_method.ipynb
+PHASE ?= main
 study: env
-	$(BIN)/python -m bench.study
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.study --phase $(PHASE)
 	$(BIN)/python tools/execute_nb.py $(STUDY_NB) nbs/index.ipynb && $(BIN)/nbdev_clean --fname $(STUDY_NB) && $(BIN)/nbdev_clean --fname nbs/index.ipynb
 
 # The Memorizing Transformer on long documents (bench/memorizing_study.py): every (setting, seed) not yet stored in

@@ -127,6 +127,43 @@ def per_method(batch_sizes=(1, 8), positions=POSITIONS, contexts=(128, 192, 256,
     return table, per_token
 
 
+ATTENTION_OPS = ('aten::_scaled_dot_product_flash_attention_for_cpu', 'aten::_scaled_dot_product_attention_math', 'aten::bmm')
+LINEAR_OPS = ('aten::addmm', 'aten::mm')
+
+
+def step_profile(lm, prompt, steps=5, rounds=4, warmup=2) -> dict:
+    """Where a cached decode step's time goes after `prompt`: torch.profiler's self time per step (ms) of the attention
+    products (SDPA's kernel, and the batched matmuls: Shaw's q·K and p·V, XL's q·R), of the linear layers (`addmm`, `mm`:
+    projections, feed-forward, head) and of every other op; each class the fastest of `rounds` rounds of `steps` steps,
+    each round from a fresh prefill (the context stays within `prompt` + `warmup` + `steps`)."""
+    from torch.profiler import profile, ProfilerActivity
+    best = dict(attention_ms=float('inf'), linear_ms=float('inf'), other_ms=float('inf'))
+    for _ in range(rounds):
+        d = Decoder(lm, prompt, True)
+        for _ in range(warmup): d.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps): d.step()
+        got = dict(attention_ms=0.0, linear_ms=0.0, other_ms=0.0)
+        for e in prof.key_averages():
+            k = 'attention_ms' if e.key in ATTENTION_OPS else 'linear_ms' if e.key in LINEAR_OPS else 'other_ms'
+            got[k] += e.self_cpu_time_total / 1e3 / steps
+        best = {k: min(best[k], got[k]) for k in best}
+    return best
+
+
+def step_profiles(batch=8, positions=POSITIONS, contexts=(PROMPT, PROMPT + NEW - 8)) -> dict:
+    "`step_profile` of every method at a short and a long context (batch `batch`)."
+    long = torch.randint(0, N_VOCAB, (batch, PROMPT + NEW), generator=torch.Generator().manual_seed(2))
+    out = dict(batch=batch, context=list(contexts), by_method={})
+    for p in positions:
+        lm = make(p)
+        out['by_method'][p] = [step_profile(lm, long[:, :c]) for c in contexts]
+        a, z = out['by_method'][p]
+        print(f"{p:9s} batch {batch} step profile, context {contexts[0]} -> {contexts[1]}: "
+              + ', '.join(f"{k[:-3]} {a[k]:.2f} -> {z[k]:.2f} ms" for k in a), flush=True)
+    return out
+
+
 def config() -> dict:
     return dict(n_vocab=N_VOCAB, d_model=D_MODEL, heads=HEADS, n_layers=LAYERS, prompt=PROMPT, new=NEW)
 
@@ -138,15 +175,16 @@ def main(batch_sizes=(1, 8), store=True, threads=1):
     try:
         hf = llama(batch_sizes)
         table, per_token = per_method(batch_sizes)
+        profiles = step_profiles(max(batch_sizes))
     finally:
         torch.set_num_threads(before)
     note = (f"torch {torch.__version__}, cpu, {threads} threads; float32, prompt {PROMPT}, {NEW} new tokens (greedy), "
             f"d_model {D_MODEL}, {HEADS} heads, {LAYERS} layers, vocabulary {N_VOCAB}; tokens/s: generate, cached fastest of 2, "
-            f"uncached one run; per-token times: steps interleaved, each the fastest of 5 rounds (uncached: 2); measured on a "
-            f"machine shared with other jobs")
+            f"uncached one run; per-token times: steps interleaved, each the fastest of 5 rounds (uncached: 2); step profile: "
+            f"torch.profiler self time per step, fastest of 4 rounds of 5 steps; measured on a machine shared with other jobs")
     result = dict(title=f"Time per generated token against the context: prompt {PROMPT}, {NEW} new tokens, d_model {D_MODEL}, "
                         f"{HEADS} heads, {LAYERS} layers (CPU, float32)",
-                  note=note, table=table, per_token=per_token, llama=hf, config=config())
+                  note=note, table=table, per_token=per_token, llama=hf, step_profile=profiles, config=config())
     if store: OUT.write_text(json.dumps(result, indent=1))
     return markdown(result)
 
@@ -164,6 +202,14 @@ def markdown(result:dict) -> str:
               '| batch | relpos tok/s | Llama tok/s | relpos / Llama |', '|---|---|---|---|']
     lines += [f"| {b} | {x['relpos_tok_s']:.0f} | {x['llama_tok_s']:.0f} | {x['relpos_tok_s'] / x['llama_tok_s']:.2f}× |"
               for b, x in hf['by_batch'].items()]
+    if 'step_profile' in result:
+        sp = result['step_profile']
+        c0, c1 = sp['context']
+        lines += ['', f"**Where a cached decode step's time goes, batch {sp['batch']}, context {c0} → {c1}** (ms per step, profiler self time)", '',
+                  '| method | attention (SDPA, bmm) | linear layers (addmm, mm) | other ops | step |', '|---|---|---|---|---|']
+        for p, (a, z) in sp['by_method'].items():
+            lines.append(f"| {p} | " + ' | '.join(f"{a[k]:.2f} → {z[k]:.2f}" for k in ('attention_ms', 'linear_ms', 'other_ms'))
+                         + f" | {sum(a.values()):.2f} → {sum(z.values()):.2f} |")
     return '\n'.join(lines + ['', note])
 
 

@@ -14,11 +14,12 @@ Each run is stored as soon as it finishes in nbs/data/memorizing_study/<label>__
 are skipped, so an interrupted study continues where it stopped. At most two runs at once, one thread each.
 """
 import argparse, hashlib, json, math, os, statistics, sys, sysconfig, time
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from bench.pool import run_pool, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / 'nbs' / 'data'
@@ -273,9 +274,7 @@ def _worker(kw:dict) -> dict:
     except Exception as e:   # a failed run is reported, never silently dropped (and not stored: rerun retries it)
         import traceback; traceback.print_exc()
         return {'label': kw['label'], 'seed': kw['seed'], 'error': f"{type(e).__name__}: {e}"}
-    f = out / run_file(kw['label'], kw['seed']).name
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix('.tmp'); tmp.write_text(json.dumps(r)); tmp.replace(f)   # never a half-written result
+    write_json(out / run_file(kw['label'], kw['seed']).name, r)   # never a half-written result
     print(f"{time.strftime('%H:%M:%S')} done {kw['label']} seed {kw['seed']}: {r['bpb']:.4f} bpb, "
           f"step {r['step_time'] * 1e3:.0f} ms, train {r['train_seconds']:.0f} s, eval {r['eval_seconds']:.0f} s", flush=True)
     return r
@@ -314,9 +313,7 @@ def main(argv=None):
         return
     print(f"{len(runs) - len(todo)} of {len(runs)} runs stored; running {len(todo)}", flush=True)
     if todo:
-        os.environ['OMP_NUM_THREADS'] = '1'
-        with get_context('spawn').Pool(min(a.workers, len(todo)), maxtasksperchild=1) as pool:
-            results = pool.map(_worker, todo, chunksize=1)
+        results = run_pool(_worker, todo, a.workers)
         failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for r in results if 'error' in r]
         if failed: sys.exit("failed runs (not stored; rerun to retry):\n" + '\n'.join(failed))
 

@@ -1,9 +1,14 @@
-"Benchmark for `relpos.rotary` (nbs/06_rotary.ipynb): the attention layer forward+backward against plain SDPA, without and with a causal mask."
+"""Benchmark for `relpos.rotary` (nbs/06_rotary.ipynb): the attention layer forward+backward against plain SDPA, without and with a causal mask.
+The grouped-query table (`gqa`) is run several times and stored in nbs/data/rotary_gqa_bench.json with the load average of each run."""
+import json, os, time
+from pathlib import Path
 import torch
 import torch.nn.functional as F
 from relpos.mha import MultiHeadAttention
 from relpos.rotary import RotaryMultiHeadAttention
-from relpos.bench import bench_table
+from relpos.bench import bench_table, parse_tables
+
+OUT = Path(__file__).resolve().parent.parent / 'nbs' / 'data' / 'rotary_gqa_bench.json'
 
 
 class CausalSDPA(MultiHeadAttention):
@@ -54,13 +59,53 @@ def make_rotary_gqa(n, causal=False, **kw):
 
 
 def make_rotary_gqa_llama3(n, causal=False, **kw):
-    "Grouped-query rotary with Llama 3.1's `rope_scaling` (frequencies recomputed each call)."
+    "Grouped-query rotary with Llama 3.1's `rope_scaling` (its cos/sin tables cached like the default ones)."
     rope = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
             'original_max_position_embeddings': 256}
     return layer_case(RotaryMultiHeadAttention, n, causal=causal, kv_heads=2, rope_scaling=rope, **kw)
 
 
-def main(sizes=(512, 2048), reps=5, readable_up_to=512):
+GQA_TITLE = ("Grouped-query heads (8 query, 2 key/value heads), causal mask "
+             "(baseline: SDPA with is_causal=True, enable_gqa=True)")
+GQA_CASES = {'sdpa gqa': 'bench.rotary:make_sdpa_gqa', 'rotary gqa': 'bench.rotary:make_rotary_gqa',
+             'rotary gqa llama3': 'bench.rotary:make_rotary_gqa_llama3'}
+
+
+def _gqa_runs(sizes, reps, runs, clock, memory):
+    out = []
+    for r in range(runs):
+        load_before = os.getloadavg()[0]
+        table = bench_table(GQA_CASES, [dict(n=n, causal=True) for n in sizes], baseline='sdpa gqa', reps=reps,
+                            memory=memory and r == 0, clock=clock,
+                            title=f"{GQA_TITLE}, {'CPU time, ' if clock == 'cpu' else ''}run {r + 1} of {runs}")
+        out.append(dict(run=r + 1, load_before=load_before, load_after=os.getloadavg()[0], markdown=table,
+                        threads=torch.get_num_threads(), clock=clock, rows=parse_tables(table)[0]['rows']))
+    return out
+
+
+def gqa(sizes=(512, 2048), reps=5, runs=3, cpu_runs=2, store=True):
+    """The grouped-query table `runs` times in wall-clock time with torch's default threads (as `make bench`), then
+    `cpu_runs` times in CPU time on one thread (what a machine shared with other jobs distorts least: their time slices
+    are not counted); each run interleaves its cases, and the 1-minute load average before and after it is kept.
+    Stored in nbs/data/rotary_gqa_bench.json."""
+    wall = _gqa_runs(sizes, reps, runs, 'wall', memory=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try: cpu = _gqa_runs(sizes, reps, cpu_runs, 'cpu', memory=False)
+    finally: torch.set_num_threads(before)
+    result = dict(title=GQA_TITLE, cpus=os.cpu_count(), torch=torch.__version__,
+                  date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), runs=wall, cpu_runs=cpu)
+    if store: OUT.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def gqa_markdown(result:dict) -> str:
+    "The stored runs as Markdown: each run's table, followed by its load averages."
+    return '\n\n'.join(f"{r['markdown']}\n\n1-minute load average on the {result['cpus']} CPUs: {r['load_before']:.2f} before, "
+                        f"{r['load_after']:.2f} after the run" for r in result['runs'] + result.get('cpu_runs', []))
+
+
+def main(sizes=(512, 2048), reps=5, readable_up_to=512, gqa_runs=3):
     out = []
     for causal in (False, True):
         cases = {'sdpa': 'bench.rotary:make_sdpa', 'rotary': 'bench.rotary:make_rotary',
@@ -69,11 +114,7 @@ def main(sizes=(512, 2048), reps=5, readable_up_to=512):
         out.append(bench_table(cases, configs, baseline='sdpa', reps=reps,
                                title=f"Attention layer, batch 4, 8 heads, d_model 512, dropout 0, "
                                      f"{'causal mask (baseline: is_causal=True)' if causal else 'no mask'}"))
-    out.append(bench_table({'sdpa gqa': 'bench.rotary:make_sdpa_gqa', 'rotary gqa': 'bench.rotary:make_rotary_gqa',
-                            'rotary gqa llama3': 'bench.rotary:make_rotary_gqa_llama3'},
-                           [dict(n=n, causal=True) for n in sizes], baseline='sdpa gqa', reps=reps,
-                           title="Grouped-query heads (8 query, 2 key/value heads), causal mask "
-                                 "(baseline: SDPA with is_causal=True, enable_gqa=True)"))
+    out.append(gqa_markdown(gqa(sizes, reps, gqa_runs)))
     small = [dict(n=n, causal=True) for n in sizes if n <= readable_up_to]
     if small:
         out.append(bench_table({'sdpa': 'bench.rotary:make_sdpa', 'rotary readable': 'bench.rotary:make_rotary_readable'},

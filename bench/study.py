@@ -1,19 +1,41 @@
 """The study behind the chapter "Which method?" (nbs/11_which_method.ipynb): every position method in
 `relpos.models.POSITIONS` trains the same small `DecoderLM` on the same bytes of real text, with the same optimizer,
-schedule, batches and number of steps, over several seeds; then each is evaluated at and beyond its training length.
+schedule, batches and number of steps, over several seeds; each is then evaluated at 1x, 2x, 4x and 8x its training
+length with two protocols. Beside the methods: rotary with RoPE scaling (evaluation only, and after a short
+fine-tune at 4x the length), a NoPE hybrid, and every method that takes memory trained and read with it.
 
-    python -m bench.study                  # the full study (`make study`), results in nbs/data/study.json
-    python -m bench.study --smoke          # a few steps, two methods, tiny data (what `make test` runs)
+    python -m bench.study                   # every run of the main phase not yet stored (`make study`): resumable
+    python -m bench.study --phase long      # 4x the steps for the best methods of the main phase, 2 seeds
+    python -m bench.study --phase timing    # short runs that time a step (wants a quiet machine)
+    python -m bench.study --list            # the runs of a phase and which are stored
+    python -m bench.study --smoke --out D   # tiny models, a few steps, stored in D (what the tests run)
 
-Runs go to a pool of single-threaded worker processes, one fresh process per run, so that each run's peak memory is
-its own and two runs share the two cores of a small machine evenly.
+Each run is stored as soon as it finishes, in nbs/data/study/<phase>__<label>__seed<k>.json; stored runs are
+skipped, so an interrupted study continues where it stopped. Runs go to `bench.pool.run_pool`: one fresh
+single-threaded process per run, two at a time.
 """
-import argparse, hashlib, json, math, os, statistics, sys, time
-from multiprocessing import get_context
+import argparse, copy, hashlib, json, math, statistics, sys, time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from bench.pool import run_pool, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / 'nbs' / 'data' / 'study'
+PHASES = ('main', 'long', 'timing')
+SEQ = 128                  # training length (bytes)
+MULTIPLES = (1, 2, 4, 8)   # evaluation lengths, in training lengths
+SCORED = 64                # sliding-window protocol: bytes scored at the end of each window
+STRIDE = 128               # sliding-window protocol: distance between the ends of consecutive windows
+MEM_LEN = SEQ              # memory rows: one segment of memory
+NOPE_LAYERS = (2,)         # the NoPE hybrid: the last of 3 layers has no position method
+SCALINGS = ('linear', 'dynamic', 'yarn')   # RoPE scalings tried on the trained rotary model
+FT_FRACTION, FT_MULTIPLE = 0.1, 4          # fine-tune: 10% of the training steps at 4x the training length
+COMMON = dict(steps=300, batch=16, seq=SEQ, d_model=128, heads=4, n_layers=3, lr=2e-3, warmup=30)
+SMOKE = dict(steps=4, batch=4, seq=16, d_model=32, heads=2, n_layers=3, lr=2e-3, warmup=2, data_scale=0.05,
+             eval_every=2, scored=8, stride=16, attn_windows=2)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data: Python's own documentation, as shipped with the interpreter
@@ -46,6 +68,158 @@ def stream_batch(data:torch.Tensor, step:int, batch:int, seq:int):
     chunk = data[idx]
     return chunk[:, :-1], chunk[:, 1:]
 
+def lr_at(step:int, steps:int, lr:float, warmup:int) -> float:
+    "Linear warm-up, then cosine decay to a tenth of `lr`."
+    if step < warmup: return lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation: two protocols, bits per byte
+# ---------------------------------------------------------------------------------------------------------------
+def nonoverlap_windows(n_bytes:int, length:int) -> list:
+    """Protocol (a): `(start, n)` of consecutive windows of `length` inputs through a text of `n_bytes` bytes (the
+    last one shorter): window `data[s:s+n]` predicts `data[s+1:s+n+1]`, so every byte after the first is scored once."""
+    n = n_bytes - 1
+    return [(s, min(length, n - s)) for s in range(0, n, length)]
+
+def sliding_ends(n_bytes:int, longest:int, stride:int) -> list:
+    """Protocol (b): the end (exclusive) of every window's targets, `stride` apart, the first leaving room for the
+    longest window; the same ends, hence the same scored bytes, at every length."""
+    return list(range(longest + 1, n_bytes + 1, stride))
+
+def _batch_size(length:int) -> int:   # windows per forward: bounded logits and [n, n] weights on the readable paths
+    return max(1, min(64, 16384 // length, 4 * 2**20 // (length * length)))
+
+@torch.no_grad()
+def window_bits(model, data:torch.Tensor, starts, length:int, score_last:int, segment:int=0):
+    """(bits, bytes) over windows `data[s:s+length]` predicting the next bytes, the last `score_last` of each scored.
+    `segment`: read each window in segments of that many bytes, carrying the model's memory from one to the next
+    (memory starts empty in every window)."""
+    bits, count = 0.0, 0
+    for i in range(0, len(starts), _batch_size(length)):
+        idx = torch.as_tensor(starts[i:i + _batch_size(length)])[:, None] + torch.arange(length + 1)
+        chunk = data[idx]
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        if segment:
+            memory, outs = None, []
+            for a in range(0, length, segment):
+                logits, memory = model(x[:, a:a + segment], memory)
+                outs.append(logits)
+            logits = torch.cat(outs, 1)
+        else:
+            logits, _ = model(x)
+        lg, yy = logits[:, -score_last:], y[:, -score_last:]
+        bits += F.cross_entropy(lg.reshape(-1, lg.shape[-1]).float(), yy.reshape(-1), reduction='sum').item() / math.log(2)
+        count += yy.numel()
+    return bits, count
+
+def evaluate(model, val:torch.Tensor, lengths, scored:int=SCORED, stride:int=STRIDE, segment:int=0, longest:int=None) -> dict:
+    """Bits per byte at every length in `lengths`, `{'nonoverlap': {L: bpb}, 'sliding': {L: bpb}}`: (a) the whole
+    text in consecutive windows of L, every byte scored; (b) windows of L ending `stride` apart, the last `scored`
+    bytes of each scored (each with at least L - scored bytes of context). A length the model refuses (`ValueError`,
+    `TypeError`) is stored as 'refused: <message>', never as a number. `longest` (default `max(lengths)`): the
+    longest length of the study, which places the sliding windows' ends (the same scored bytes in every call)."""
+    out = {'nonoverlap': {}, 'sliding': {}}
+    ends = sliding_ends(len(val), longest or max(lengths), stride)
+    was_training = model.training
+    model.eval()
+    for L in lengths:
+        try:
+            wins, bits, count = nonoverlap_windows(len(val), L), 0.0, 0
+            for n in sorted({n for _, n in wins}):
+                b, c = window_bits(model, val, [s for s, m in wins if m == n], n, n, segment)
+                bits, count = bits + b, count + c
+            out['nonoverlap'][str(L)] = bits / count
+            b, c = window_bits(model, val, [e - L - 1 for e in ends], L, scored, segment)
+            out['sliding'][str(L)] = b / c
+        except (ValueError, TypeError) as e:
+            msg = 'refused: ' + str(e).splitlines()[0]
+            out['nonoverlap'].setdefault(str(L), msg)
+            out['sliding'][str(L)] = msg
+    model.train(was_training)
+    return out
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mechanism: what the attention does beyond the training length (stored with each run)
+# ---------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def attention_stats(model, val:torch.Tensor, lengths, scored:int=SCORED, stride:int=STRIDE, windows:int=4, near:int=SEQ,
+                    longest:int=None):
+    """At every length L, for each layer, over the last `scored` queries of the first `windows` sliding windows
+    (the bytes protocol (b) scores): `far`, the mean attention mass on keys at distance >= `near` (the training
+    length: distances training never saw); `entropy`, the mean entropy of a query's weights in bits; for T5 layers
+    `last_bucket`, the mass in the last (shared) bucket, and `last_bucket_keys`, the share of visible keys in it.
+    None when a layer keeps no weights."""
+    from relpos.mha import MultiHeadAttention
+    mods = [l.self_attn.module for l in model.layers]
+    if not all(isinstance(m, MultiHeadAttention) for m in mods): return None   # Shaw's module keeps its own layout
+    ends = sliding_ends(len(val), longest or max(lengths), stride)[:windows]
+    was_training = model.training
+    model.eval()
+    out = {}
+    for m in mods: m.need_weights = True
+    try:
+        for L in lengths:
+            idx = torch.as_tensor([e - L - 1 for e in ends])[:, None] + torch.arange(L)
+            try: model(val[idx])
+            except (ValueError, TypeError): continue
+            q, k = torch.arange(L - scored, L)[:, None], torch.arange(L)[None]
+            d = q - k                                                     # [scored, L]: distance of each key
+            rows = []
+            for m in mods:
+                a = m.attn[-scored:].double()                             # [scored, L, batch, heads]
+                row = {'far': (a * (d >= near)[..., None, None]).sum(1).mean().item(),
+                       'entropy': -(a * torch.log2(a.clamp_min(1e-30))).sum(1).mean().item()}
+                pos = getattr(m, 'positions', None)
+                if hasattr(pos, 'bucket') and hasattr(pos, 'num_buckets'):
+                    last = (pos.bucket(k - q) == pos.num_buckets - 1) & (d >= 0)
+                    row['last_bucket'] = (a * last[..., None, None]).sum(1).mean().item()
+                    row['last_bucket_keys'] = (last.sum(1) / (d >= 0).sum(1)).float().mean().item()
+                rows.append({k_: round(v, 6) for k_, v in row.items()})
+            out[str(L)] = rows
+    finally:
+        for m in mods: m.need_weights, m.attn = False, None
+        model.train(was_training)
+    return out
+
+def bias_points(longest:int) -> list:
+    "Distances at which a learned bias is stored: 0..15, then about 8 per octave up to `longest - 1`."
+    pts = set(range(min(16, longest))) | {int(round(2 ** (i / 8))) for i in range(32, 8 * int(math.log2(longest)) + 1)}
+    return sorted(p for p in pts if p < longest)
+
+@torch.no_grad()
+def fire_bias_curves(model, lengths) -> dict:
+    """FIRE's learned bias against distance for the last query of a window of each length in `lengths` (its
+    position L - 1 sets the normaliser): `{'distances': [...], 'bias': {L: [layer][head][value at each distance]}}`."""
+    fires = [l.self_attn.module.positions for l in model.layers if hasattr(getattr(l.self_attn.module, 'positions', None), 'threshold')]
+    if not fires: return None
+    pts = bias_points(max(lengths))
+    out = {'distances': pts, 'bias': {}, 'threshold': [round(f.threshold.item(), 3) for f in fires],
+           'c': [round(f.c.item(), 5) for f in fires]}
+    for L in lengths:
+        rows = []
+        for f in fires:
+            b = f(1, L)[0, :, 0].flip(-1)                                  # [heads, distance 0..L-1]
+            rows.append([[round(v, 4) for v in b[h, [p for p in pts if p < L]].tolist()] for h in range(b.shape[0])])
+        out['bias'][str(L)] = rows
+    return out
+
+def set_rope_scaling(model, rope_type, factor:float, seq:int) -> int:
+    """Give every rotary layer of `model` transformers' `rope_scaling` `{'rope_type': rope_type, 'factor': factor}`
+    (yarn: `original_max_position_embeddings=seq`; dynamic: `max_position_embeddings=seq`), or none (`rope_type=None`);
+    the weights do not change. Returns the number of layers changed."""
+    from relpos.rotary import RotaryMultiHeadAttention, check_rope_scaling
+    cfg = None if rope_type is None else {'rope_type': rope_type, 'factor': float(factor),
+                                          **({'original_max_position_embeddings': seq} if rope_type == 'yarn' else {})}
+    n = 0
+    for m in model.modules():
+        if isinstance(m, RotaryMultiHeadAttention):
+            m.rope_scaling = check_rope_scaling(cfg, m.rotary_dim)
+            m.max_position_embeddings = seq if rope_type == 'dynamic' else None
+            n += 1
+    return n
+
 # ---------------------------------------------------------------------------------------------------------------
 # One run
 # ---------------------------------------------------------------------------------------------------------------
@@ -54,280 +228,380 @@ def _rss(key:str) -> int:
         if line.startswith(key): return int(line.split()[1]) * 1024
     return 0
 
-def lr_at(step:int, steps:int, lr:float, warmup:int) -> float:
-    "Linear warm-up, then cosine decay to a tenth of `lr`."
-    if step < warmup: return lr * (step + 1) / warmup
-    p = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+def _train(model, train, steps, batch, seq, lr, warmup, memory_len=0, step0=0, curve=None, eval_fn=None, eval_every=0):
+    "AdamW, clipped gradients, the schedule of `lr_at`; returns per-step losses (bits per byte) and step times."
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses, times, memory = [], [], None
+    for step in range(steps):
+        x, y = stream_batch(train, step0 + step, batch, seq)
+        for g in opt.param_groups: g['lr'] = lr_at(step, steps, lr, warmup)
+        t0 = time.perf_counter()
+        logits, memory = model(x, memory) if memory_len else model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item() / math.log(2))
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps): curve.append((step + 1, eval_fn()))
+    return losses, times
 
-@torch.no_grad()
-def bits_per_byte(model, data:torch.Tensor, window:int, seq:int, ends, segmented:bool) -> float:
-    """Bits per byte on the last `seq` bytes of windows of `window` bytes ending at `ends`: the same scored bytes
-    for every window length. `segmented`: feed the window in segments of `seq` with the model's memory (how a
-    Transformer-XL model reads a long text) instead of one forward pass over the whole window."""
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(ends), 16):
-        e = torch.as_tensor(ends[i:i + 16])
-        idx = e[:, None] - window + torch.arange(window + 1)[None] - 1
-        chunk = data[idx]
-        x, y = chunk[:, :-1], chunk[:, 1:]
-        if segmented:
-            memory = None
-            for s in range(0, window, seq):
-                logits, memory = model(x[:, s:s + seq], memory)
-        else:
-            logits, _ = model(x)
-        logits = logits[:, -seq:]
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y[:, -seq:].reshape(-1),
-                                 reduction='sum').item()
-        count += y[:, -seq:].numel()
-    model.train()
-    return total / count / math.log(2)
-
-def train_run(method:str, seed:int, steps:int=300, batch:int=16, seq:int=128, d_model:int=128, heads:int=4,
-              n_layers:int=3, mem_len:int=0, lr:float=2e-3, warmup:int=30, eval_every:int=50, # 0: no curve
-              eval_windows=(128, 512, 1024), n_eval:int=48, data_scale:float=1.0) -> dict:
-    "Train one `DecoderLM(position=method)` and evaluate it; returns the curves, bits per byte, time and memory."
+def train_run(label:str, method:str, seed:int, phase:str='main', steps:int=300, batch:int=16, seq:int=SEQ,
+              d_model:int=128, heads:int=4, n_layers:int=3, lr:float=2e-3, warmup:int=30, mem_len:int=0,
+              nope_layers=(), rope_variants:bool=False, eval_every:int=50, evaluation:bool=True, scored:int=SCORED,
+              stride:int=STRIDE, attn_windows:int=4, data_scale:float=1.0) -> dict:
+    """Train one `DecoderLM(position=method)` and evaluate it at 1x, 2x, 4x and 8x `seq` with both protocols
+    (`evaluate`), keeping what explains the numbers (`attention_stats`, `fire_bias_curves`). `rope_variants` (rotary):
+    the same trained model evaluated again with each RoPE scaling of `SCALINGS` at factor L / seq, and, from a copy
+    of it, a fine-tune of `FT_FRACTION` of the steps at `FT_MULTIPLE` x seq with each scaling at that factor, then
+    evaluated at every length. Memory (`mem_len`): trained and read segment by segment. `evaluation=False`: time only."""
+    t_start = time.time()
     torch.set_num_threads(1)
     from relpos.models import DecoderLM
     from relpos.relative_mha import extend_position_tables
     train = torch.frombuffer(bytearray(study_text('train')), dtype=torch.uint8).long()
     val = torch.frombuffer(bytearray(study_text('val')), dtype=torch.uint8).long()
     if data_scale < 1: train, val = train[:int(len(train) * data_scale)], val[:int(len(val) * data_scale)]
+    lengths = [m * seq for m in MULTIPLES]
     torch.manual_seed(seed)
     model = DecoderLM(256, d_model=d_model, heads=heads, n_layers=n_layers, position=method, mem_len=mem_len,
-                      max_len=seq)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    wmax = max(eval_windows, default=seq)
-    ends = torch.linspace(wmax + 1, len(val), n_eval).long().tolist()   # the same scored bytes at every length
-    curve_ends = ends[::max(1, n_eval // 16)]
-    curve, train_loss, step_times = [], [], []
+                      max_len=seq, nope_layers=tuple(nope_layers))
+    segment = seq if mem_len else 0
+    curve = []
+    curve_fn = lambda: round(evaluate(model, val, [seq], scored, stride * 4, segment, lengths[-1])['sliding'][str(seq)], 4)
     open('/proc/self/clear_refs', 'w').write('5')   # peak resident memory from here on is this run's training
     base = _rss('VmRSS')
-    memory = None
-    for step in range(steps):
-        x, y = stream_batch(train, step, batch, seq)
-        for g in opt.param_groups: g['lr'] = lr_at(step, steps, lr, warmup)
-        t0 = time.perf_counter()
-        logits, memory = model(x, memory) if mem_len else model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step_times.append(time.perf_counter() - t0)
-        train_loss.append(loss.item() / math.log(2))
-        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-            curve.append((step + 1, bits_per_byte(model, val, seq, seq, curve_ends, segmented=False)))
+    losses, times = _train(model, train, steps, batch, seq, lr, warmup, mem_len, curve=curve, eval_fn=curve_fn,
+                           eval_every=eval_every if evaluation else 0)
     peak = _rss('VmHWM') - base
-    def evaluate():
-        bpb = {}
-        for w in eval_windows:
-            try: bpb[str(w)] = bits_per_byte(model, val, w, seq, ends, segmented=bool(mem_len))
-            except (ValueError, TypeError) as e: bpb[str(w)] = 'refused: ' + str(e).splitlines()[0]
-        return bpb
-    bpb = evaluate()
-    # the small learned position parameters, for the chapter's pictures of what each method learned
-    keep = ('key_pos_bias', 'rotation_matrix', 'relative_attention_bias', 'relative_position_k', 'position_embeddings')
-    positions = {k: [round(v, 5) for v in t.flatten().tolist()] + [list(t.shape)] for k, t in model.state_dict().items()
-                 if any(w in k for w in keep) and t.numel() <= 16384} if seed == 0 else {}
-    # learned XL tables: the same trained model again with its untrained rows filled (relpos.relative_mha.extend_position_tables);
-    # with memory, evaluation reads segments with a bounded memory and never reaches an untrained row
-    extended = evaluate() if eval_windows and not mem_len and extend_position_tables(model, seq - 1) else None
-    return {'method': method, 'seed': seed, 'mem_len': mem_len, 'bpb': bpb, 'bpb_extended': extended,
-            'curve': curve, 'train_bpb': train_loss, 'positions': positions,
-            'step_time': statistics.median(step_times[10:] or step_times), 'peak_bytes': peak,
-            'params': sum(p.numel() for p in model.parameters())}
+    train_seconds = time.time() - t_start
+    every = max(1, steps // 30)   # the training curve, averaged over 30 stretches of steps (small files)
+    out = {'phase': phase, 'label': label, 'method': method, 'seed': seed,
+           'setting': dict(mem_len=mem_len, nope_layers=list(nope_layers), steps=steps, batch=batch, seq=seq,
+                           d_model=d_model, heads=heads, n_layers=n_layers, lr=lr, warmup=warmup),
+           'params': sum(p.numel() for p in model.parameters()),
+           'step_time': statistics.median(times[10:] or times), 'peak_bytes': peak,
+           'train_bpb': [[i + every, round(statistics.mean(losses[i:i + every]), 4)] for i in range(0, steps, every)],
+           'curve': curve, 'train_seconds': round(train_seconds, 1), 'torch': torch.__version__,
+           'val_sha256': hashlib.sha256(bytes(val.to(torch.uint8).tolist())).hexdigest(),
+           'evals': {}, 'attention': {}}
+    if not evaluation:
+        out['seconds'] = round(time.time() - t_start, 1)
+        return out
+    ev = lambda m, ls=lengths: evaluate(m, val, ls, scored, stride, segment, lengths[-1])
+    att = lambda m, ls=lengths: None if mem_len else attention_stats(m, val, ls, scored, stride, attn_windows, seq, lengths[-1])
+    out['evals'][label], out['attention'][label] = ev(model), att(model)
+    fire = fire_bias_curves(model, [seq, lengths[-1]])
+    if fire: out['fire_bias'] = fire
+    if seed == 0 and phase == 'main' and not mem_len:   # the small learned position tables, for the chapter's pictures
+        keep = ('key_pos_bias', 'rotation_matrix', 'relative_attention_bias', 'relative_position_k', 'position_embeddings')
+        out['positions'] = {k: [round(v, 5) for v in t.flatten().tolist()] + [list(t.shape)]
+                            for k, t in model.state_dict().items() if any(w in k for w in keep) and t.numel() <= 16384}
+    if rope_variants:
+        for kind in SCALINGS:                      # evaluation only: factor = eval length / training length
+            e, a = {'nonoverlap': {}, 'sliding': {}}, {}
+            for L in lengths:
+                set_rope_scaling(model, kind, L / seq, seq)
+                r = ev(model, [L])
+                for p in e: e[p].update(r[p])
+                a.update(att(model, [L]) or {})
+            set_rope_scaling(model, None, 1, seq)
+            out['evals'][f'{label}+{kind}'], out['attention'][f'{label}+{kind}'] = e, a
+        ft_steps, ft_len = max(1, round(FT_FRACTION * steps)), FT_MULTIPLE * seq
+        for kind in SCALINGS:                      # a short fine-tune at FT_MULTIPLE x the length, same tokens per step
+            ft = copy.deepcopy(model)
+            set_rope_scaling(ft, kind, FT_MULTIPLE, seq)
+            t0 = time.time()
+            _train(ft, train, ft_steps, max(1, batch // FT_MULTIPLE), ft_len, lr * 0.1, max(1, ft_steps // 10), step0=steps)
+            out.setdefault('finetune', {})[f'{label}+{kind}+ft'] = dict(steps=ft_steps, length=ft_len, factor=FT_MULTIPLE,
+                                                                      batch=max(1, batch // FT_MULTIPLE), lr=lr * 0.1,
+                                                                      seconds=round(time.time() - t0, 1))
+            out['evals'][f'{label}+{kind}+ft'], out['attention'][f'{label}+{kind}+ft'] = ev(ft), att(ft)
+    if method == 'xl' and not mem_len and extend_position_tables(model, seq - 1):
+        # the same trained tables with every distance beyond the trained ones clipped to the longest trained row
+        out['evals'][f'{label}+clip'], out['attention'][f'{label}+clip'] = ev(model), att(model)
+    out['eval_seconds'] = round(time.time() - t_start - train_seconds, 1)
+    out['seconds'] = round(time.time() - t_start, 1)
+    return out
+
+# ---------------------------------------------------------------------------------------------------------------
+# The runs of each phase, stored one file each
+# ---------------------------------------------------------------------------------------------------------------
+def settings() -> dict:
+    """label -> keyword arguments of `train_run`: every method of `POSITIONS`; rotary with its RoPE scalings
+    (inside the `rotary` run); the NoPE hybrid; every method that takes memory, trained and read with `MEM_LEN`."""
+    from relpos.models import POSITIONS
+    out = {m: dict(method=m) for m in POSITIONS}
+    out['rotary'] = dict(method='rotary', rope_variants=True)
+    out['rotary+nope'] = dict(method='rotary', nope_layers=NOPE_LAYERS)
+    out.update({f'{m}+memory': dict(method=m, mem_len=MEM_LEN) for m in POSITIONS if m != 'absolute'})
+    return out
+
+def derived_labels(label:str) -> list:
+    "The labels a run of `label` stores numbers for: itself, and its evaluation variants (rotary's scalings, xl's clipped tables)."
+    if label == 'rotary': return [label] + [f'{label}+{k}' for k in SCALINGS] + [f'{label}+{k}+ft' for k in SCALINGS]
+    if label == 'xl': return [label, 'xl+clip']
+    return [label]
+
+def run_label(label:str) -> str:
+    "The run that stores `label`'s numbers (`rotary+yarn+ft` -> `rotary`)."
+    for l in settings():
+        if label in derived_labels(l): return l
+    raise ValueError(f"label must be one the study stores, got {label!r}")
+
+def _cost(label:str) -> int:   # longest runs first within a seed: two workers end together
+    return 3 if label == 'rotary' else 2 if label.endswith('+memory') else 1
+
+def all_runs(phase:str='main', seeds=None, labels=None, common=None, steps=None) -> list:
+    """Every run of `phase` as keyword arguments of `train_run` (plus `label`), seeds outermost (seed 0 of every label
+    first: a study stopped half-way is balanced), the longest runs first within a seed. main: every label of
+    `settings()`, 3 seeds; long: `labels` (see `long_labels`), 4x the steps, 2 seeds; timing: every label twice, 40
+    steps, no evaluation."""
+    if phase not in PHASES: raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    common = dict(common or COMMON)
+    if steps: common['steps'] = steps
+    spec = settings()
+    labels = list(spec) if labels is None else list(labels)
+    seeds = {'main': 3, 'long': 2, 'timing': 2}[phase] if seeds is None else seeds
+    if phase == 'long': common['steps'] *= 4; common['eval_every'] = 4 * common.get('eval_every', 50)
+    if phase == 'timing': common.update(steps=40, evaluation=False)
+    order = sorted(labels, key=lambda l: -_cost(l))
+    def run(l, s):
+        kw = dict(common, **spec[l], label=l, seed=s, phase=phase)
+        if phase == 'timing': kw['rope_variants'] = False   # the step of training is what is timed
+        return kw
+    return [run(l, s) for s in range(seeds) for l in order]
+
+def run_file(phase:str, label:str, seed:int, out=None) -> Path:
+    return Path(out or RESULTS) / f"{phase}__{label}__seed{seed}.json"
+
+def load_results(path=None) -> list:
+    "Every stored run (one JSON file each)."
+    return [json.loads(p.read_text()) for p in sorted(Path(path or RESULTS).glob('*__seed*.json'))]
 
 def _worker(kw:dict) -> dict:
-    try: return train_run(**kw)
-    except Exception as e:   # one failed run is reported in the results, never silently dropped
-        return {**{k: kw[k] for k in ('method', 'seed')}, 'mem_len': kw.get('mem_len', 0),
-                'error': f"{type(e).__name__}: {e}"}
+    kw = dict(kw)
+    out = kw.pop('out_dir')
+    try: r = train_run(**kw)
+    except Exception as e:   # a failed run is reported, never silently dropped (and not stored: a rerun retries it)
+        import traceback; traceback.print_exc()
+        return {'label': kw['label'], 'seed': kw['seed'], 'phase': kw['phase'], 'error': f"{type(e).__name__}: {e}"}
+    write_json(run_file(kw['phase'], kw['label'], kw['seed'], out), r)
+    ev = r['evals'].get(kw['label'], {}).get('sliding', {})
+    print(f"{time.strftime('%H:%M:%S')} done {kw['phase']} {kw['label']} seed {kw['seed']}: "
+          f"{' '.join(f'{L}:{v:.3f}' if isinstance(v, float) else f'{L}:refused' for L, v in ev.items())} "
+          f"step {r['step_time'] * 1e3:.0f} ms, {r['seconds']:.0f} s", flush=True)
+    return r
+
+def long_labels(results=None, top:int=3) -> list:
+    """The runs of the `long` phase: the runs behind the `top` best labels of the main phase by protocol (b) at 8x
+    the training length, plus `rotary` (for `rotary+yarn+ft`) if not among them."""
+    R = results or StudyResults.load()
+    L = R.long
+    ranked = [l for l in R.ranking('sliding', L) if math.isfinite(R.mean(l, L, 'sliding'))]
+    runs = list(dict.fromkeys(run_label(l) for l in ranked[:top]))
+    return runs + ([] if 'rotary' in runs else ['rotary'])
 
 # ---------------------------------------------------------------------------------------------------------------
-# The whole study
+# Reading the stored runs (the chapter and the docs home)
 # ---------------------------------------------------------------------------------------------------------------
-def study_runs(methods, seeds, variants:dict=None, **common) -> list:
-    """Every (variant, seed): methods with their defaults, plus `variants` (label -> extra keyword arguments, e.g.
-    Transformer-XL with memory). Seeds innermost, interleaved, so that machine noise spreads over methods evenly."""
-    cases = [dict(label=m, method=m) for m in methods]
-    cases += [dict(label=label, **kw) for label, kw in (variants or {}).items()]
-    return [dict(case, seed=s, **common) for s in seeds for case in cases]
+PROTOCOLS = {'nonoverlap': '(a) non-overlapping windows', 'sliding': f'(b) sliding window'}
 
-def run_study(runs:list, workers:int=2) -> list:
-    "Run every entry of `runs` (keyword arguments of `train_run`, plus a `label`) in fresh processes."
-    labels = [r.pop('label') for r in runs]
-    env_threads = os.environ.get('OMP_NUM_THREADS')
-    os.environ['OMP_NUM_THREADS'] = '1'   # read by each worker's OpenMP at start-up
-    try:
-        with get_context('spawn').Pool(workers, maxtasksperchild=1) as pool:
-            results = pool.map(_worker, runs, chunksize=1)
-    finally:
-        if env_threads is None: os.environ.pop('OMP_NUM_THREADS')
-        else: os.environ['OMP_NUM_THREADS'] = env_threads
-    for label, r in zip(labels, results): r['label'] = label
-    return results
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reading the results (the chapter and the docs home)
-# ---------------------------------------------------------------------------------------------------------------
 class StudyResults:
-    "The stored study (`nbs/data/study.json`) with the summaries the chapter and the docs home print."
-    def __init__(self, res:dict):
-        self.res = res
-        self.labels = list(dict.fromkeys(r['label'] for r in res['results']))
-        self.windows = sorted({int(w) for r in res['results'] for w in r.get('bpb', {})})
-        self.seq, self.long = self.windows[0], self.windows[-1]   # the training length is the first window
+    "The stored runs (`nbs/data/study/`) with the summaries the chapter and the docs home print."
+    def __init__(self, runs:list, expected:dict=None):
+        self.all = [r for r in runs if 'error' not in r]
+        self.expected = expected or {}   # phase -> [(label, seed)] that the study runs
+        order = [d for l in settings() for d in derived_labels(l)]
+        found = {l for r in self.all if r['phase'] != 'timing' for l in r['evals']}
+        self.labels = [l for l in order if l in found] + sorted(found - set(order))
+        seqs = {r['setting']['seq'] for r in self.all}
+        self.seq = min(seqs) if seqs else SEQ
+        self.lengths = [m * self.seq for m in MULTIPLES]
+        self.long = self.lengths[-1]
 
     @classmethod
     def load(cls, path=None):
-        return cls(json.loads(Path(path or Path(__file__).resolve().parents[1] / 'nbs' / 'data' / 'study.json').read_text()))
+        "The stored runs in `path` (default nbs/data/study/), with the runs of the main and timing phases that are expected."
+        runs = load_results(path)
+        return cls(runs, {p: [(r['label'], r['seed']) for r in all_runs(p)] for p in ('main', 'timing')})
 
-    def runs(self, label, part='results'): return [r for r in self.res[part] if r['label'] == label and 'error' not in r]
+    def stored(self, phase='main') -> list: return sorted({(r['label'], r['seed']) for r in self.all if r['phase'] == phase})
+    def missing(self, phase='main') -> list:
+        have = set(self.stored(phase))
+        return [k for k in self.expected.get(phase, []) if k not in have]
 
-    def bpb(self, label, window, extended=False, part='results'):
-        "Mean and sample standard deviation over seeds of bits per byte, or the refusal message; `part='long'`: the larger budget."
-        vals = [(r['bpb_extended'] if extended else r['bpb'])[str(window)] for r in self.runs(label, part)]
+    def coverage(self) -> str:
+        "Which runs are stored, phase by phase, and which expected ones are missing, seed by seed (a sentence for the chapter)."
+        out = []
+        for p in PHASES:
+            have, miss = self.stored(p), self.missing(p)
+            if not have and p != 'main': continue
+            s = f"{p}: {len(have)} runs stored" + (f" of {len(self.expected[p])}" if p in self.expected else '')
+            by_seed = {}
+            for l, k in miss: by_seed.setdefault(k, []).append(l)
+            every = {l for l, _ in self.expected.get(p, [])}
+            if by_seed:
+                s += '; missing: ' + '; '.join(f"seed {k}: " + ('every label' if set(ls) == every else ', '.join(f'`{l}`' for l in ls))
+                                               for k, ls in sorted(by_seed.items()))
+            out.append(s)
+        return '; '.join(out) + '.'
+
+    def runs(self, label, phase='main') -> list:
+        "Stored runs of `phase` that hold numbers for `label`, by seed."
+        return sorted((r for r in self.all if r['phase'] == phase and label in r['evals']), key=lambda r: r['seed'])
+
+    def seeds(self, label, phase='main') -> list: return [r['seed'] for r in self.runs(label, phase)]
+
+    def values(self, label, length, protocol='sliding', phase='main') -> list:
+        return [r['evals'][label][protocol][str(length)] for r in self.runs(label, phase)]
+
+    def bpb(self, label, length, protocol='sliding', phase='main'):
+        "(mean, sample sd, seeds) of bits per byte; the refusal message where the method refused; None if not run."
+        vals = self.values(label, length, protocol, phase)
+        if not vals: return None
         if any(isinstance(v, str) for v in vals): return next(v for v in vals if isinstance(v, str))
-        return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+        return statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else math.nan), len(vals)
 
-    def mean(self, label, window, extended=False, part='results'):
-        "Mean bits per byte; infinity for a refusal."
-        v = self.bpb(label, window, extended, part)
-        return math.inf if isinstance(v, str) else v[0]
+    def mean(self, label, length, protocol='sliding', phase='main') -> float:
+        "Mean bits per byte; infinity for a refusal, NaN if not run."
+        v = self.bpb(label, length, protocol, phase)
+        return math.nan if v is None else math.inf if isinstance(v, str) else v[0]
 
-    def fmt(self, label, window, extended=False, part='results'):
-        v = self.bpb(label, window, extended, part)
-        return 'refused' if isinstance(v, str) else f'{v[0]:.3f} ± {v[1]:.3f}'
+    def fmt(self, label, length, protocol='sliding', phase='main') -> str:
+        v = self.bpb(label, length, protocol, phase)
+        if v is None: return '–'
+        if isinstance(v, str): return 'refused'
+        return f'{v[0]:.3f}' + ('' if math.isnan(v[1]) else f' ± {v[1]:.3f}')
 
-    def step_time(self, label):   # median over the interleaved timing runs of each run's median step
-        return statistics.median(r['step_time'] for r in self.runs(label, 'timing'))
+    def one_pass(self, phase='main') -> list: return [l for l in self.labels if not l.endswith('+memory') and self.runs(l, phase)]
+    def memory_rows(self, phase='main') -> list: return [l for l in self.labels if l.endswith('+memory') and self.runs(l, phase)]
 
-    def time_ratio(self, label): return self.step_time(label) / self.step_time('none')
-    def memory_mib(self, label): return max(r['peak_bytes'] for r in self.runs(label, 'timing')) / 2**20
+    def ranking(self, protocol='sliding', length=None, phase='main', labels=None) -> list:
+        "Labels by mean bits per byte at `length` (default the longest), best first; refusals last, labels not run left out."
+        length = length or self.long
+        ls = [l for l in (labels or self.labels) if not math.isnan(self.mean(l, length, protocol, phase))]
+        return sorted(ls, key=lambda l: self.mean(l, length, protocol, phase))
 
-    def one_pass(self): return [l for l in self.labels if l != 'xl+memory']   # the whole window in one forward
+    def step_time(self, label) -> float:
+        "Median step time of the run behind `label`: the timing phase's runs, else the main phase's."
+        base = run_label(label)
+        t = [r['step_time'] for r in self.all if r['phase'] == 'timing' and r['label'] == base]
+        return statistics.median(t or [r['step_time'] for r in self.all if r['phase'] == 'main' and r['label'] == base] or [math.nan])
 
-    def parts(self): return ['results'] + (['long'] if self.res.get('long') else [])
+    def time_ratio(self, label) -> float: return self.step_time(label) / self.step_time('none')
 
-    def verdicts(self, part='results') -> dict:
-        "The facts behind the 'which to use' table, for the study's budget (`results`) or four times it (`long`)."
-        m, seq, long = self.one_pass(), self.seq, self.long
-        mean = lambda l, w: self.mean(l, w, part=part)
-        best_short = min(m, key=lambda l: mean(l, seq))
-        near = [l for l in m if mean(l, seq) <= mean(best_short, seq) + 0.02]   # within 0.02 bits of it
-        refused = [l for l in m if mean(l, long) == math.inf]
-        rise = {l: mean(l, long) - mean(l, seq) for l in m if l not in refused}
-        memory_helps = 'xl+memory' in self.labels and mean('xl+memory', long) < mean('xl', long) - 0.01
-        return dict(best_short=best_short, memory_helps=memory_helps, near=near,
-                    cheapest_near=min(near, key=self.time_ratio), best_long=min(m, key=lambda l: mean(l, long)),
-                    refused=refused, rise=rise, worse=sorted((l for l in rise if rise[l] > 0.25), key=rise.get, reverse=True))
+    def attention(self, label, length, key='far', layer=None, phase='main'):
+        "Mean over seeds (and layers, unless `layer`) of an `attention_stats` entry; NaN where not stored."
+        vals = []
+        for r in self.runs(label, phase):
+            a = (r.get('attention') or {}).get(label) or {}
+            rows = a.get(str(length))
+            if rows: vals.append(statistics.mean(x[key] for x in (rows if layer is None else [rows[layer]])))
+        return statistics.mean(vals) if vals else math.nan
+
+    def table(self, protocol='sliding', phase='main') -> str:
+        "Markdown: every label's bits per byte at 1x-8x the training length under `protocol`, with its seeds and step time."
+        head = ['label', 'seeds'] + [f'{L} ({L // self.seq}×)' for L in self.lengths] + ['step time vs `none`']
+        rows = [[f'`{l}`', str(len(self.runs(l, phase)))] + [self.fmt(l, L, protocol, phase) for L in self.lengths]
+                + [f'{self.time_ratio(l):.2f}×'] for l in self.labels if self.runs(l, phase)]
+        return '\n'.join(['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows])
+
+    def verdicts(self, phase='main') -> dict:
+        "The facts behind the 'which to use' table."
+        seq, L = self.seq, self.long
+        one, mem = self.one_pass(phase), self.memory_rows(phase)
+        m = lambda l, n, p: self.mean(l, n, p, phase)
+        # at the training length only the models as trained compete: an evaluation-time variant is the same model there,
+        # and a fine-tuned one had 10% more steps
+        trained = [l for l in one if l in settings()] or one
+        best_short = min(trained, key=lambda l: m(l, seq, 'nonoverlap'))
+        near = [l for l in trained if m(l, seq, 'nonoverlap') <= m(best_short, seq, 'nonoverlap') + 0.02]
+        refused = [l for l in one if m(l, L, 'sliding') == math.inf]
+        rise = {l: m(l, L, 'sliding') - m(l, seq, 'sliding') for l in one if l not in refused}
+        tr = lambda l: math.inf if math.isnan(self.time_ratio(l)) else self.time_ratio(l)
+        return dict(best_short=best_short, near=near, cheapest_near=min(near, key=lambda l: (tr(l), l != best_short)),
+                    best_long={p: min(one, key=lambda l: m(l, L, p)) for p in PROTOCOLS},
+                    best_memory={p: min(mem, key=lambda l: m(l, L, p)) if mem else None for p in PROTOCOLS},
+                    refused=refused, rise=rise,
+                    worse=sorted((l for l in rise if rise[l] > 0.25), key=rise.get, reverse=True))
 
     def which_to_use(self) -> str:
-        "Markdown table: what to pick for which need, with the numbers that say so (and, where run, after 4x the steps)."
-        seq, long, parts = self.seq, self.long, self.parts()
-        v = {p: self.verdicts(p) for p in parts}
-        b = lambda l, w=seq, p='results': f'{self.mean(l, w, part=p):.3f}'
-        x4 = 'after 4× the steps'
-        def pick(key, w):   # the method(s) a verdict names, with the numbers of each budget
-            names = list(dict.fromkeys(v[p][key] for p in parts))
-            name = lambda p: '' if len(names) == 1 else f'`{v[p][key]}` '
-            ev = f"{name('results')}{b(v['results'][key], w)} at {w}" + ''.join(
-                f"; {x4}: {name(p)}{b(v[p][key], w, p)}" for p in parts[1:])
-            return ', '.join(f'`{n}`' for n in names), ev
-        rows = [('the best quality at the length you train on', *pick('best_short', seq)),
-                ('texts longer than you trained on, read in one pass', *pick('best_long', long))]
-        cheap = v['results']['cheapest_near']
-        if cheap != v['results']['best_short']:
-            rows.insert(1, ('that quality for the least time per step', f'`{cheap}`', f'{self.time_ratio(cheap):.2f}× the step time of no position method'))
+        "Markdown table: what to pick for which need, each row with the stored numbers it rests on."
+        if not self.one_pass(): return '*No run of the study is stored yet: `make study` runs it.*'
+        seq, L, v = self.seq, self.long, self.verdicts()
+        b = lambda l, n, p, ph='main': f"{self.mean(l, n, p, ph):.3f}"
+        rows = []
+        best, cheap = v['best_short'], v['cheapest_near']
+        ev = f"`{best}` {b(best, seq, 'nonoverlap')} at {seq} (protocol a)"
+        if cheap != best and self.time_ratio(cheap) < self.time_ratio(best):
+            ev += f"; `{cheap}` {b(cheap, seq, 'nonoverlap')} at {self.time_ratio(cheap):.2f}× the step time of `none` (`{best}`: {self.time_ratio(best):.2f}×)"
+        rows.append(('the best quality at the length you train on', f'`{best}`' + (f' (or `{cheap}`, cheaper)' if cheap != best and self.time_ratio(cheap) < self.time_ratio(best) else ''), ev))
+        bl = v['best_long']
+        if bl['nonoverlap'] == bl['sliding']:
+            l = bl['sliding']
+            rows.append(('texts longer than you trained on, read in one pass', f'`{l}`',
+                         f"`{l}` at {L} ({L // seq}×): {b(l, L, 'sliding')} (b), {b(l, L, 'nonoverlap')} (a); at {seq}: {b(l, seq, 'sliding')} (b)"))
         else:
-            rows[0] = (rows[0][0], rows[0][1], rows[0][2] + f'; {self.time_ratio(cheap):.2f}× the step time of no position method')
-        helps = [p for p in parts if v[p]['memory_helps']]
-        # memory is recommended only where it also beats every method read in one pass: the study trains one method
-        # (xl) with memory, so a gain over xl alone says nothing about the other methods
-        beaten_by = {p: [l for l in self.one_pass() if self.mean(l, long, part=p) < self.mean('xl+memory', long, part=p)]
-                     for p in helps}
-        wins = [p for p in helps if not beaten_by[p]]
-        mem = '; '.join(f"{'' if p == 'results' else x4 + ': '}`xl+memory` {b('xl+memory', long, p)} against `xl` {b('xl', long, p)} in one pass"
-                        + (f' at {long}' if p == 'results' else '') for p in parts)
-        if helps and wins != helps:
-            p = helps[-1]
-            better = sorted(beaten_by[p], key=lambda l: self.mean(l, long, part=p))
-            mem += (f"; but read in one pass, {', '.join(f'`{l}` {b(l, long, p)}' for l in better)}"
-                    + (f' ({x4})' if p == 'long' else '') + f"; `xl+memory` at {self.time_ratio('xl+memory'):.2f}× the step time of no position method")
-        use = ('`xl` with `mem_len`' if wins == parts else '`xl` with `mem_len`, given enough training' if helps and wins == helps
-               else 'not known: only `xl` was trained with memory, and methods read in one pass did better' if helps
-               else 'no method gained from memory here')
-        rows.append(('long texts read segment by segment', use, mem))
-        worse = list(dict.fromkeys(l for p in parts for l in v[p]['worse']))
-        refused = list(dict.fromkeys(l for p in parts for l in v[p]['refused']))
+            for p, name in (('sliding', 'each byte with the longest context (sliding window)'), ('nonoverlap', 'in consecutive windows')):
+                l, o = bl[p], bl['nonoverlap' if p == 'sliding' else 'sliding']
+                rows.append((f'texts longer than you trained on, read in one pass, {name}', f'`{l}`',
+                             f"`{l}` {b(l, L, p)} against `{o}` {b(o, L, p)} at {L} (protocol {'b' if p == 'sliding' else 'a'})"))
+        bm, bo = v['best_memory']['nonoverlap'], bl['nonoverlap']
+        if bm:
+            gain = self.mean(bm, L, 'nonoverlap') < self.mean(bo, L, 'nonoverlap')
+            base = bm[:-len('+memory')]
+            rows.append(('long texts read segment by segment',
+                         f"`{base}` with `mem_len`" if gain else f"no memory: `{bo}` read in one pass",
+                         f"best with memory `{bm}` {b(bm, L, 'nonoverlap')} at {L} (a), against `{base}` in one pass "
+                         f"{b(base, L, 'nonoverlap')} and the best in one pass `{bo}` {b(bo, L, 'nonoverlap')}; `{bm}` at "
+                         f"{self.time_ratio(bm):.2f}× the step time of `none`"))
+        worse, refused = v['worse'], v['refused']
         if worse or refused:
-            p = parts[-1]
             rows.append(('not, beyond the training length', ', '.join(f'`{l}`' for l in worse + refused),
-                         '; '.join([f'`{l}` {b(l, seq, p)} → {b(l, long, p)}' for l in worse]
-                                   + [f'`{l}` refuses longer inputs' for l in refused])
-                         + (f' ({x4}, {seq} → {long})' if p == 'long' else f' ({seq} → {long})')))
-        what = 'bits per byte, lower is better: mean over seeds' + ('; after 4× the steps: seed 0' if 'long' in parts else '')
-        head = f'| if you need | use | evidence ({what}) |\n|---|---|---|\n'
+                         '; '.join([f"`{l}` {b(l, seq, 'sliding')} → {b(l, L, 'sliding')}" for l in worse]
+                                   + [f'`{l}` refuses longer inputs' for l in refused]) + f' ({seq} → {L}, protocol b)'))
+        if any(r['phase'] == 'long' for r in self.all):
+            top = self.ranking('sliding', L, 'long')
+            rows.append(('(after 4× the steps)', f'`{top[0]}`',
+                         '; '.join(f"`{l}` {b(l, L, 'sliding', 'long')}" for l in top[:4]) + f' at {L} (b), {len(self.runs(top[0], "long"))} seeds'))
+        n = sorted({len(self.runs(l)) for l in self.labels})
+        seeds = f"{n[0]} seed{'s' * (n[0] != 1)}" if len(n) == 1 else f"{n[0]}–{n[-1]} seeds"
+        head = (f'| if you need | use | evidence (bits per byte, lower is better; mean over {seeds}; (a) every byte in '
+                f'consecutive windows, (b) sliding window) |\n|---|---|---|\n')
         return head + '\n'.join(f'| {a} | {u} | {e} |' for a, u, e in rows)
-
-    def table(self) -> str:
-        "Markdown table of every variant: parameters, bits per byte at each window, step time and memory."
-        head = ['method', 'params'] + [f'bpb @ {w}' for w in self.windows] + ['step time vs none', 'memory growth in training (MiB)']
-        rows = [[f'`{l}`', f"{self.runs(l)[0]['params']:,}"] + [self.fmt(l, w) for w in self.windows]
-                + [f'{self.time_ratio(l):.2f}×', f'{self.memory_mib(l):.0f}'] for l in self.labels]
-        return '\n'.join(['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows])
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--smoke', action='store_true', help='a few steps, two methods, tiny data')
-    ap.add_argument('--phase', choices=('all', 'train', 'timing', 'long'), default='all',
-                    help="train: the quality runs; timing: short runs that time a step, for a quiet machine; long: one seed at "
-                         "4x the steps, to see which results hold with a larger budget; all: the three")
-    ap.add_argument('--steps', type=int, default=300)
-    ap.add_argument('--seeds', type=int, default=3)
+    ap.add_argument('--phase', choices=PHASES, default='main')
+    ap.add_argument('--list', action='store_true', help="print the phase's runs and which are stored")
+    ap.add_argument('--smoke', action='store_true', help='tiny models, a few steps (needs --out)')
     ap.add_argument('--workers', type=int, default=2)
-    ap.add_argument('--methods', nargs='*', default=None, help='default: every entry of relpos.models.POSITIONS')
-    ap.add_argument('--out', default=None, help='default: nbs/data/study.json (smoke: print only)')
+    ap.add_argument('--seeds', type=int, default=None, help='default: main 3, long 2, timing 2')
+    ap.add_argument('--steps', type=int, default=None, help=f"main phase's steps (default {COMMON['steps']}; long: 4x)")
+    ap.add_argument('--labels', nargs='*', default=None, help='only these labels (default: every label of the phase)')
+    ap.add_argument('--out', default=None, help='directory of the stored runs (default nbs/data/study)')
     a = ap.parse_args(argv)
-    from relpos.models import POSITIONS
-    methods = a.methods or list(POSITIONS)
-    variants = {'xl+memory': dict(method='xl', mem_len=128)}
-    if a.smoke:
-        methods, variants = methods[:2], {}
-        tiny = dict(d_model=32, n_layers=1, data_scale=0.05)
-        train = study_runs(methods, range(1), steps=4, eval_every=2, n_eval=4, eval_windows=(128, 256), **tiny)
-        timing = study_runs(methods, range(1), steps=12, eval_every=0, eval_windows=(), **tiny)
-        long = study_runs(methods, range(1), steps=8, eval_every=4, n_eval=4, eval_windows=(128, 256), **tiny)
-    else:
-        train = study_runs(methods, range(a.seeds), variants, steps=a.steps)
-        # Step time and memory: every variant twice, interleaved, 40 steps each (the median of the last 30), after
-        # the quality runs, so that a quiet machine can give the whole of its two cores to this part alone.
-        timing = study_runs(methods, range(2), variants, steps=40, eval_every=0, eval_windows=())
-        # A larger budget: one seed, 4x the steps (the same warm-up, the cosine decay over the longer run), every variant.
-        long = study_runs(methods, range(1), variants, steps=4 * a.steps, eval_every=4 * 50)
-    path = Path(a.out or Path(__file__).resolve().parents[1] / 'nbs' / 'data' / 'study.json')
-    out = json.loads(path.read_text()) if a.phase != 'all' and path.exists() else {}
-    out.update(recipe=data_recipe(), torch=torch.__version__)
-    out.setdefault('phases', {})
-    for phase, runs in (('train', train), ('timing', timing), ('long', long)):
-        if a.phase not in ('all', phase): continue
-        t0 = time.time()
-        out[{'train': 'results'}.get(phase, phase)] = run_study(runs, workers=a.workers)
-        out['phases'][phase] = {'argv': sys.argv[1:] if argv is None else argv, 'wall_seconds': time.time() - t0,
-                                'runs': len(runs), 'date': time.strftime('%Y-%m-%d')}
-        print(f"{phase}: {len(runs)} runs in {out['phases'][phase]['wall_seconds']:.0f} s", flush=True)
-    failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for part in ('results', 'timing', 'long') for r in out.get(part, [])
-              if 'error' in r]
-    if a.out or not a.smoke:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1))
-        print(f"wrote {path}")
-    else:
-        for r in out['results']: print(r['label'], r['seed'], r.get('bpb', r.get('error')))
-    if failed: sys.exit("failed runs:\n" + '\n'.join(failed))
-    return out
+    out = Path(a.out or RESULTS)
+    if a.smoke and not a.out: sys.exit('--smoke needs --out (a smoke run is never stored with the real study)')
+    common = SMOKE if a.smoke else COMMON
+    labels = a.labels
+    if a.phase == 'long' and labels is None:
+        labels = long_labels(StudyResults.load(out))
+    runs = all_runs(a.phase, a.seeds, labels, common, a.steps)
+    todo = [dict(r, out_dir=str(out)) for r in runs if not run_file(a.phase, r['label'], r['seed'], out).exists()]
+    if a.list:
+        have = {(r['label'], r['seed']) for r in runs} - {(r['label'], r['seed']) for r in todo}
+        for r in runs: print(('stored ' if (r['label'], r['seed']) in have else 'todo   ') + f"{a.phase} {r['label']} seed {r['seed']}")
+        return
+    recipe = out / 'recipe.json'
+    if not a.smoke and not recipe.exists(): write_json(recipe, data_recipe(), indent=1)
+    print(f"{a.phase}: {len(runs) - len(todo)} of {len(runs)} runs stored; running {len(todo)}", flush=True)
+    t0 = time.time()
+    results = run_pool(_worker, todo, a.workers)
+    print(f"{a.phase}: {len(todo)} runs in {time.time() - t0:.0f} s", flush=True)
+    failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for r in results if 'error' in r]
+    if failed: sys.exit("failed runs (not stored; rerun to retry):\n" + '\n'.join(failed))
 
 if __name__ == '__main__': main()

@@ -26,12 +26,12 @@ def _step(fn, inputs, backward: bool):
     if backward: out.float().sum().backward()
     return out
 
-def _timed_step(fn, inputs, backward: bool) -> float:
-    "Seconds of one `_step`, the device synchronised before and after (CUDA runs asynchronously)."
+def _timed_step(fn, inputs, backward: bool, clock=time.perf_counter) -> float:
+    "Seconds of one `_step` by `clock`, the device synchronised before and after (CUDA runs asynchronously)."
     device = _device_of(inputs)
-    _sync(device); t0 = time.perf_counter()
+    _sync(device); t0 = clock()
     _step(fn, inputs, backward)
-    _sync(device); return time.perf_counter() - t0
+    _sync(device); return clock() - t0
 
 # %% ../nbs/90_bench.ipynb #897a21df
 def time_fwd_bwd(fn,              # callable returning a tensor, e.g. an attention module call
@@ -110,7 +110,7 @@ def _fmt_config(c:dict) -> str: return ' '.join(f"{k}={v}" for k, v in c.items()
 
 def _error(e:Exception) -> str: return f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
 
-def _time_interleaved(cases:dict, config:dict, backward:bool, reps:int, warmup:int=2) -> dict:
+def _time_interleaved(cases:dict, config:dict, backward:bool, reps:int, warmup:int=2, clock=time.perf_counter) -> dict:
     """Seconds of one step of every case at `config`: the fastest of `reps` rounds, each round running every case once, so
     that a shared machine's slow minutes fall on all cases alike (and noise, which only ever adds time, drops out of the
     minimum); an error message for a case that fails."""
@@ -124,7 +124,7 @@ def _time_interleaved(cases:dict, config:dict, backward:bool, reps:int, warmup:i
     times = {name: [] for name in built}
     for _ in range(reps):
         for name, (fn, inputs) in list(built.items()):
-            try: times[name].append(_timed_step(fn, inputs, backward))
+            try: times[name].append(_timed_step(fn, inputs, backward, clock))
             except Exception as e:
                 del built[name]; out[name] = _error(e)
     return {name: out[name] if name in out else min(times[name]) for name in cases}
@@ -136,9 +136,13 @@ def bench_table(cases:dict,         # name -> 'module:factory'
                 memory:bool=True,   # also measure peak memory (on CPU one subprocess per case and config)
                 reps:int=5,
                 title:str=None,
+                clock:str='wall',   # 'wall': elapsed time; 'cpu': CPU time of this process (all its threads), which
+                                    # time slices given to other jobs on a shared machine do not inflate (CPU only)
                ) -> str:            # a markdown table
     "Time (and peak memory) of every case at every config, with ratios to `baseline` from the same run."
     if baseline not in cases: raise ValueError(f"baseline {baseline!r} is not one of the cases {list(cases)}")
+    clocks = {'wall': time.perf_counter, 'cpu': time.process_time}
+    if clock not in clocks: raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     device = os.environ.get('RELPOS_BENCH_DEVICE') or None   # `make bench DEVICE=cuda`: every case on that device
     if device is not None:
         if device.startswith('cuda') and not torch.cuda.is_available():
@@ -146,7 +150,7 @@ def bench_table(cases:dict,         # name -> 'module:factory'
         configs = [{**c, 'device': device} for c in configs]
     rows = []
     for config in configs:
-        times = _time_interleaved(cases, config, backward, reps)
+        times = _time_interleaved(cases, config, backward, reps, clock=clocks[clock])
         res = {}
         for name, spec in cases.items():
             t = times[name]
@@ -162,7 +166,8 @@ def bench_table(cases:dict,         # name -> 'module:factory'
     head = ['config', 'case', 'time (ms)', f'time / {baseline}', 'peak (MiB)', f'peak / {baseline}']
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows]
     dev = 'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
-    note = f"torch {torch.__version__}, {dev}; {'forward+backward' if backward else 'forward'}, fastest of {reps} rounds, cases interleaved"
+    note = (f"torch {torch.__version__}, {dev}; {'forward+backward' if backward else 'forward'}, fastest of {reps} rounds, "
+            f"cases interleaved{'; time = CPU time of the process' if clock == 'cpu' else ''}")
     return '\n'.join(([f"**{title}**", ''] if title else []) + lines + ['', note])
 
 # %% ../nbs/90_bench.ipynb #5f170e76

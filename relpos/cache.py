@@ -141,9 +141,10 @@ class CacheStep:
         c, n = self.cache, self.n
         if self.mode == 'decode':
             if c.all_valid and self.new_valid is None: m = None
+            elif self.new_valid is None: m = c.valid[:, None, None, :self.length]   # a view: the new slot is valid already
             else:
                 m = c.valid[:, :self.length].clone()
-                m[:, self.write] = True               # a query always sees itself: no fully masked row (NaN)
+                m[:, self.write] = True               # a query always sees itself, padding too: no fully masked row (NaN)
                 m = m[:, None, None, :]
         else:   # extend: cached keys, then the new ones; causal and windowed by stream time
             L, f = c.max_cache_len, len(c)
@@ -256,15 +257,10 @@ def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]
     if step.mode == 'prefill' and self.cache_prefill_ok(step):
         out = self.cache_prefill(q, k, v, step.prefill_mask())    # [b, n, heads, d]
         _write(K, V, k, v, step)
-    elif step.mode == 'decode':                                    # write first: the new key is one of the keys
-        _write(K, V, k, v, step)
-        out = self.cache_attend(q.transpose(1, 2), K[:, :, :step.length], V[:, :, :step.length], step, layer).transpose(1, 2)
-    else:                                                          # extend (or a prefill by position ids): cached keys + new ones, then write
-        f = len(cache)
-        kk = torch.cat([K[:, :, :f], k.transpose(1, 2)], 2)
-        vv = torch.cat([V[:, :, :f], v.transpose(1, 2)], 2)
+    else:                                                          # decode, extend (or a prefill by position ids)
+        kk, vv, written = _attended(K, V, k, v, step)
         out = self.cache_attend(q.transpose(1, 2), kk, vv, step, layer).transpose(1, 2)
-        _write(K, V, k, v, step)
+        if not written: _write(K, V, k, v, step)
     return self.output(out.flatten(2))
 
 def _write(K, V, k, v, step:CacheStep):
@@ -273,6 +269,18 @@ def _write(K, V, k, v, step:CacheStep):
     k, v = k[:, -m:].detach().transpose(1, 2), v[:, -m:].detach().transpose(1, 2)
     if isinstance(w, slice): K[:, :, w] = k; V[:, :, w] = v
     else: K.index_copy_(2, w, k); V.index_copy_(2, w, v)
+
+def _attended(K, V, k, v, step:CacheStep):
+    "The keys and values `[b, kv_heads, keys, d]` a decode or extend step attends to, in `step.mask()`'s order, and whether the new ones are in the cache already."
+    c = step.cache
+    if step.mode == 'decode' or c.seen + step.n <= c.max_cache_len:
+        # the new tokens go into the slots after the filled ones (decode: into the oldest one's, which is out of the
+        # window): write them, and the keys are a view of the buffer -- no copy of the cache per step
+        _write(K, V, k, v, step)
+        return K[:, :, :step.length], V[:, :, :step.length], True
+    # a chunk that wraps the ring would overwrite keys its own first queries still see: the cached keys, then the new ones
+    f = len(c)
+    return torch.cat([K[:, :, :f], k.transpose(1, 2)], 2), torch.cat([V[:, :, :f], v.transpose(1, 2)], 2), False
 
 # %% ../nbs/09a_cache.ipynb #38fbb8f3
 def _layer_tables(module, step:CacheStep, layer:int):
@@ -373,8 +381,12 @@ def cache_tables(self:XLRelativeMultiHeadAttention, L:int, dtype):
 @patch
 def cache_position_term(self:RelativeMultiHeadAttention, q, step, layer):
     "Transformer-XL: content queries `q + u`; the position term $Q_i \\cdot R_{j-i} + S_{j-i}$ of the new queries' row, scaled."
-    R, S = _layer_tables(self, step, layer)
-    qr = torch.matmul(q, R.transpose(-1, -2)) + S[:, None, :]        # [b, h, n, L]: every distance the window holds
+    R, S = _layer_tables(self, step, layer)                           # [h, L, d_k], [h, L]
+    b, h, n, d = q.shape
+    # per head, all the batch's queries against the L rows at once: [h, b*n, d] @ [h, d, L] (a batched matmul of q [b, h, n, d]
+    # with R [h, d, L] would broadcast R to [b, h, d, L], a copy of the table per batch row and step)
+    qr = torch.matmul(q.transpose(0, 1).reshape(h, b * n, d), R.transpose(-1, -2)).view(h, b, n, -1).transpose(0, 1)
+    qr = qr + S[:, None, :]                                           # [b, h, n, L]: every distance the window holds
     idx = step.distance_index()
     pos = qr.gather(-1, idx.expand(*qr.shape[:-1], idx.shape[-1]))   # each key's distance
     return q + self.content_bias()[:, None, :], pos * self.scale
@@ -429,9 +441,11 @@ def cache_attend(self:RelationAwareMultiHeadAttention, q, k, v, step, layer):
     R = 2 * self.k + 1
     w_k = self.relative_position_k.position_embeddings.to(q.dtype)
     w_v = self.relative_position_v.position_embeddings.to(q.dtype)
-    L = step.cache.max_cache_len
-    bucket = (step.distance_index() - (L - 1)).clamp(-self.k, self.k) + self.k       # [b, 1, n, keys]
-    bucket = bucket.expand(q.shape[0], q.shape[1], q.shape[2], bucket.shape[-1])
+    key = ('shaw_bucket', self.k)
+    if key not in step.memo:                                                          # shared by the layers with the same clip
+        L = step.cache.max_cache_len
+        step.memo[key] = (step.distance_index() - (L - 1)).clamp(-self.k, self.k) + self.k   # [b, 1, n, keys]
+    bucket = step.memo[key].expand(q.shape[0], q.shape[1], q.shape[2], -1)
     qw = torch.matmul(q, w_k.T)                                                     # [b, h, n, 2k+1]
     s = (torch.matmul(q, k.transpose(-1, -2)) + qw.gather(-1, bucket)) * self.scale
     mask = step.mask()
@@ -449,14 +463,10 @@ def cached_attention(self:RelationAwareMultiHeadAttention, x, cache, layer, step
     if step.mode == 'prefill':
         out = self.cache_prefill(q, k, v, step.prefill_mask())
         _write(K, V, k, v, step)
-    elif step.mode == 'decode':
-        _write(K, V, k, v, step)
-        out = self.cache_attend(q.transpose(1, 2), K[:, :, :step.length], V[:, :, :step.length], step, layer).transpose(1, 2)
     else:
-        f = len(cache)
-        kk, vv = torch.cat([K[:, :, :f], k.transpose(1, 2)], 2), torch.cat([V[:, :, :f], v.transpose(1, 2)], 2)
+        kk, vv, written = _attended(K, V, k, v, step)
         out = self.cache_attend(q.transpose(1, 2), kk, vv, step, layer).transpose(1, 2)
-        _write(K, V, k, v, step)
+        if not written: _write(K, V, k, v, step)
     return self.fc(out.flatten(2))
 
 # %% ../nbs/09a_cache.ipynb #e98cb10d

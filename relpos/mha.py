@@ -88,6 +88,11 @@ def guard_double_backward(x:torch.Tensor, # output of a fused SDPA kernel, `[bat
         x.register_hook(_refuse_graph_through_fused_sdpa)
     return x
 
+def _known_finite(q:torch.Tensor) -> bool:
+    "True when `q` is checked to hold no NaN/Inf (CPU, eager: one reduction, no sync to wait for); False where it is not checked."
+    if q.device.type != 'cpu' or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active(): return False
+    return bool(q.detach().sum().isfinite())   # a NaN/Inf anywhere makes the sum non-finite (an overflow only costs the term)
+
 def expand_kv(x:torch.Tensor, # `[..., kv_heads, d_k]` keys or values (heads in dim -2)
               heads:int,      # query heads; a multiple of kv_heads
              ) -> torch.Tensor: # `[..., heads, d_k]`: key/value head h // (heads // kv_heads) for query head h
@@ -300,8 +305,9 @@ class MultiHeadAttention(nn.Module):
         guard_double_backward(x, q, attn_mask)   # see "Fast paths, higher-order gradients" below
         if row_ok is not None: x = x * row_ok
         # torch 2.13's fused CPU kernel returns 0, not NaN, for a query row holding a NaN/Inf when no
-        # mask is given; the readable path gives NaN. Put the NaN back so that it is never hidden.
-        x = x + q.sum(-1, keepdim=True) * 0
+        # mask is given; the readable path gives NaN. Put the NaN back so that it is never hidden (on CPU in
+        # eager mode only where a query is not finite: one read of q, and nothing added to the backward).
+        if not _known_finite(q): x = x + q.sum(-1, keepdim=True) * 0
         return x.permute(2, 0, 1, 3)  # [seq_q, batch, heads, d_k]
 
     def attention_fast(self, query, key, value, mask, **position_ids):

@@ -4,15 +4,17 @@
 
 # %% auto #0
 __all__ = ['ROPE_TYPES', 'rotary_inv_freq', 'rotary_angles', 'rotary_cos_sin', 'rotate_half', 'rotate_every_two', 'apply_rotary',
-           'check_rope_scaling', 'rope_parameters', 'RotaryMultiHeadAttention']
+           'apply_rotary_fast', 'check_rope_scaling', 'rope_parameters', 'RotaryMultiHeadAttention']
 
 # %% ../nbs/06_rotary.ipynb #ff639bfe
-import math
+import contextlib, math
+from collections import OrderedDict
 from typing import Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention, is_causal_mask, packed_causal_mask, packed_position_ids
+from fastcore.basics import patch
+from .mha import MultiHeadAttention, is_causal_mask, packed_causal_mask, packed_position_ids, functorch_active
 
 # %% ../nbs/06_rotary.ipynb #a48f633b
 def _check_rotary_dim(rotary_dim, d_k:Optional[int]=None) -> int:
@@ -87,6 +89,76 @@ def apply_rotary(x:torch.Tensor,    # `[..., d]`, e.g. queries or keys of one he
     turned = rotate_every_two(rot) if interleaved else rotate_half(rot)
     out = rot * cos + turned * sin
     return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
+
+# %% ../nbs/06_rotary.ipynb #75053083
+def _signed_sin(sin:torch.Tensor, interleaved:bool) -> torch.Tensor:
+    "`sin` with the sign `rotate_half`/`rotate_every_two` puts on the other feature of each pair: `[-s, s]` or `[-s0, s0, -s1, s1, ...]`."
+    if interleaved: return torch.stack([-sin[..., 0::2], sin[..., 1::2]], dim=-1).flatten(-2)
+    h = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :h], sin[..., h:]], dim=-1)
+
+def _rotate_into(x:torch.Tensor, cos:torch.Tensor, ssin:torch.Tensor, interleaved:bool, inverse:bool,
+                 out:torch.Tensor) -> torch.Tensor:
+    "`out` = x rotated by theta (inverse: by -theta) on the first `cos.shape[-1]` features, the rest copied; four passes."
+    rd = cos.shape[-1]; h = rd // 2
+    xr, o = x[..., :rd], out[..., :rd]
+    if rd < x.shape[-1]: out[..., rd:].copy_(x[..., rd:])          # partial rotation: the rest passes through
+    torch.mul(xr, cos, out=o)                                        # x cos, written straight into the output
+    t = torch.empty(xr.shape, dtype=x.dtype, device=x.device)        # swap(x) * signed sin: each feature of a pair
+    pair = (lambda a: (a[..., 0::2], a[..., 1::2])) if interleaved else (lambda a: (a[..., :h], a[..., h:]))
+    (xa, xb), (ta, tb), (sa, sb) = pair(xr), pair(t), pair(ssin)     # times the sine of its partner
+    torch.mul(xb, sa, out=ta); torch.mul(xa, sb, out=tb)
+    o.sub_(t) if inverse else o.add_(t)                              # x cos -+ swap(x) s~: same roundings as apply_rotary
+    return out
+
+class _Rotation(torch.autograd.Function):
+    "Rotation by theta (`inverse`: by -theta) whose backward is the rotation of the gradient the other way, itself a `_Rotation`."
+    @staticmethod
+    def forward(x, cos, ssin, interleaved, inverse, heads_first):
+        if heads_first:   # x `[seq, batch, heads, d]`, memory `[batch, heads, seq, d]`: contiguous once SDPA permutes it
+            out = x.new_empty(x.shape[1], x.shape[2], x.shape[0], x.shape[3]).permute(2, 0, 1, 3)
+        else: out = x.new_empty(x.shape)                             # contiguous: what a projection's backward reads
+        return _rotate_into(x, cos, ssin, interleaved, inverse, out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, cos, ssin, interleaved, inverse, _ = inputs
+        ctx.save_for_backward(cos, ssin); ctx.save_for_forward(cos, ssin)
+        ctx.interleaved, ctx.inverse = interleaved, inverse
+
+    @staticmethod
+    def backward(ctx, grad):   # R(theta)^T = R(-theta); a `_Rotation` again, so create_graph=True works
+        cos, ssin = ctx.saved_tensors
+        return _Rotation.apply(grad, cos, ssin, ctx.interleaved, not ctx.inverse, False), None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, x_t, *_):     # forward mode: the tangent turns with x
+        cos, ssin = ctx.saved_tensors
+        return _Rotation.apply(x_t, cos, ssin, ctx.interleaved, ctx.inverse, False)
+
+def _is_dual(t:torch.Tensor) -> bool:
+    return torch.autograd.forward_ad.unpack_dual(t).tangent is not None
+
+def _fast_rotation_ok(x:torch.Tensor, cos:torch.Tensor, sin:torch.Tensor) -> bool:
+    "Whether `_Rotation` gives `apply_rotary`'s result: plain eager tensors, cos/sin constant, same dtype/device, broadcasting only over `x`."
+    if (torch.compiler.is_compiling() or functorch_active() or cos.requires_grad or sin.requires_grad
+            or _is_dual(cos) or _is_dual(sin)):
+        return False
+    rd = cos.shape[-1]
+    if (rd % 2 or rd > x.shape[-1] or cos.shape != sin.shape or cos.dim() > x.dim()
+            or not x.dtype == cos.dtype == sin.dtype or not x.device == cos.device == sin.device):
+        return False
+    try: return torch.broadcast_shapes(x.shape[:-1], cos.shape[:-1]) == x.shape[:-1]
+    except RuntimeError: return False
+
+def apply_rotary_fast(x:torch.Tensor,    # `[..., d]`; d >= rotary_dim
+                      cos:torch.Tensor,  # `[..., rotary_dim]` from `rotary_cos_sin`, broadcastable to x's leading dims
+                      sin:torch.Tensor,
+                      interleaved:bool=False, # must match the layout `cos` and `sin` were built with
+                     ) -> torch.Tensor:  # same shape and dtype as `x`
+    "`apply_rotary`, the same values and gradients bit for bit, in fewer passes over `x`; its backward is the rotation by $-\\theta$."
+    if not _fast_rotation_ok(x, cos, sin): return apply_rotary(x, cos, sin, interleaved)
+    return _Rotation.apply(x, cos, _signed_sin(sin, interleaved), interleaved, False, False)
 
 # %% ../nbs/06_rotary.ipynb #28559b3c
 ROPE_TYPES = ('default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3')
@@ -270,13 +342,21 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
         if positions.dim() == 1: return cos[:, None, None], sin[:, None, None]  # [sk, 1, 1, rd]
         return cos.transpose(0, 1)[:, :, None], sin.transpose(0, 1)[:, :, None]  # [sk, b, 1, rd]
 
-    def rotate(self, query:torch.Tensor, key:torch.Tensor, position_ids:Optional[torch.Tensor]=None
+    def rotate(self, query:torch.Tensor, key:torch.Tensor, position_ids:Optional[torch.Tensor]=None, fast:bool=False
               ) -> Tuple[torch.Tensor, torch.Tensor]:
-        "Rotate `query [seq_q, batch, heads, d_k]` and `key [seq_k, ...]`: key j sits at `position_ids[:, j]` (default j), query i at key i + seq_k - seq_q's."
+        "Rotate `query [seq_q, batch, heads, d_k]` and `key [seq_k, ...]`: key j sits at `position_ids[:, j]` (default j), query i at key i + seq_k - seq_q's; `fast`: `apply_rotary_fast`'s passes (the same numbers), the output laid out for SDPA."
         sq, sk = query.shape[0], key.shape[0]
         if sk < sq:
             raise ValueError(f"key must be at least as long as query (the last queries line up with the last keys), "
                              f"got seq_len_q={sq}, seq_len_k={sk}")
+        if fast and not (torch.compiler.is_compiling() or functorch_active()):
+            if position_ids is None: cos, ssin = self.rotary_tables(sk, query.dtype, query.device)   # cached
+            else:
+                cos, sin = self.cos_sin(position_ids, query.dtype)
+                ssin = _signed_sin(sin, self.interleaved)
+            # heads_first: the rotated tensors are written in SDPA's `[batch, heads, seq, d_k]` order
+            return (_Rotation.apply(query, cos[sk - sq:], ssin[sk - sq:], self.interleaved, False, True),
+                    _Rotation.apply(key, cos, ssin, self.interleaved, False, True))
         positions = torch.arange(sk, device=query.device) if position_ids is None else position_ids
         cos, sin = self.cos_sin(positions, query.dtype)
         return (apply_rotary(query, cos[sk - sq:], sin[sk - sq:], self.interleaved),
@@ -287,5 +367,36 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
         return super().get_scores(*self.rotate(query, key, position_ids))
 
     def attention_fast(self, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
-        "Fast path: rotate, then the base class's `sdpa` (SDPA's fused kernel; an exactly causal mask over seq_q == seq_k becomes `is_causal=True`; grouped-query heads through `enable_gqa`)."
-        return self.sdpa(*self.rotate(query, key, position_ids), value, mask)
+        "Fast path: rotate (`apply_rotary_fast`'s passes), then the base class's `sdpa` (SDPA's fused kernel; an exactly causal mask over seq_q == seq_k becomes `is_causal=True`; grouped-query heads through `enable_gqa`)."
+        return self.sdpa(*self.rotate(query, key, position_ids, fast=True), value, mask)
+
+# %% ../nbs/06_rotary.ipynb #f15b3cda
+_ROTARY_TABLES_KEPT = 4   # cached (cos, signed sin) pairs per layer: lengths/dtypes/devices in use at once
+
+@patch
+def rotary_tables(self:RotaryMultiHeadAttention,
+                  seq_len_k:int,        # keys at positions 0 .. seq_len_k - 1
+                  dtype:torch.dtype,    # the queries' dtype
+                  device,               # the queries' device
+                 ) -> Tuple[torch.Tensor, torch.Tensor]: # cos, signed sin `[seq_k, 1, 1, rotary_dim]` (see `apply_rotary_fast`)
+    "`cos_sin` of the positions `0 .. seq_len_k - 1` with the sine signed for the fast rotation, cached per length, dtype, device and rotation settings."
+    key = (seq_len_k, dtype, torch.device(device), self.rotary_dim, self.base, self.interleaved,
+           repr(self.rope_scaling), self.max_position_embeddings)
+    cache = self.__dict__.setdefault('_rotary_tables', OrderedDict())   # not a buffer: never in the state_dict
+    if key in cache:
+        cache.move_to_end(key); return cache[key]
+    # Built as normal tensors whatever the caller's mode: inside `torch.inference_mode()` they would be inference
+    # tensors, which autograd refuses to save for a later training step; autocast and grad mode are switched off too.
+    device = torch.device(device)
+    with torch.inference_mode(False), torch.no_grad(), _no_autocast(device):
+        cos, sin = self.cos_sin(torch.arange(seq_len_k, device=device), dtype)
+        tables = cos.contiguous(), _signed_sin(sin, self.interleaved).contiguous()
+    if not torch.compiler.is_compiling():
+        cache[key] = tables
+        while len(cache) > _ROTARY_TABLES_KEPT: cache.popitem(last=False)
+    return tables
+
+def _no_autocast(device:torch.device):
+    "A context with autocast off on `device` (a no-op for device types autocast does not know)."
+    try: return torch.autocast(device.type, enabled=False)
+    except RuntimeError: return contextlib.nullcontext()

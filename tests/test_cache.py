@@ -112,13 +112,30 @@ def test_doc_start_resets_the_cache(position):
 
 
 @pytest.mark.parametrize("position", POSITIONS)
-@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("window", [None, 4, 7])
 def test_several_tokens_after_a_cache(position, window):
+    "Chunks into free slots (attended in place: no window, and 7 up to the 7th token), then chunks that wrap the ring (4, 7)."
     lm, seq, chunks = small(position), tokens(2, 15, 3), (4, 3, 1, 5, 2)
     with torch.no_grad():
         cache, got, i = lm.new_cache(2, window or 15), [], 0
         for c in chunks: got.append(lm(seq[:, i:i + c], cache=cache)[0]); i += c
         assert err(torch.cat(got, 1), full_logits(lm, seq, max_cache_len=window)) <= TOL
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_padding_token_in_a_decode_step(position):
+    "Row 0 gets a padding token at step 7 (attention_mask 0): its other tokens equal the row without it (not seen, no position)."
+    lm, seq, pad_at = small(position), tokens(2, 11, 11), 7
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[0, pad_at] = 0
+    with torch.no_grad():
+        cache = lm.new_cache(2, 11)
+        got = [lm(seq[:, :5], cache=cache)[0]]
+        got += [lm(seq[:, t:t + 1], cache=cache, attention_mask=mask[:, t:t + 1])[0] for t in range(5, 11)]
+        got, keep = torch.cat(got, 1), mask[0].bool()
+        assert err(got[0, keep], full_logits(lm, seq[:1, keep])[0]) <= TOL
+        assert err(got[1], full_logits(lm, seq[1:])[0]) <= TOL
+    assert cache.next_position.tolist() == [10, 11]
 
 
 @pytest.mark.parametrize("position", POSITIONS)
@@ -289,6 +306,8 @@ def test_bench_decoder_runs_generate_loops():
         assert torch.equal(torch.stack(got, 1), lm.generate(prompt, 6, temperature=0, use_cache=use_cache)[:, 4:])
     times = bc.interleaved_steps(lm, [prompt, tokens(2, 7, 2)], True, steps=3, rounds=2)
     assert len(times) == 2 and all(len(t) == 3 and min(t) > 0 for t in times)
+    prof = bc.step_profile(lm, prompt, steps=2, rounds=1, warmup=1)
+    assert set(prof) == {'attention_ms', 'linear_ms', 'other_ms'} and prof['attention_ms'] > 0 and prof['linear_ms'] > 0
 
 
 @pytest.mark.parametrize("kw", [dict(norm='rms', ffn='swiglu', bias=False, kv_heads=1, heads=4),

@@ -10,7 +10,7 @@ from mha_module_checks import (rel_err, run, check_bf16_module, check_autocast_b
                                check_no_state_from_the_mode_it_ran_in, check_long_sequence_no_limit,
                                check_state_dict_is_plain_mha_and_round_trips, check_dropout_training_path_runs)
 from relpos.rotary import (rotary_inv_freq, rotary_angles, rotary_cos_sin, rotate_half, rotate_every_two,
-                           apply_rotary, is_causal_mask, RotaryMultiHeadAttention)
+                           apply_rotary, apply_rotary_fast, is_causal_mask, RotaryMultiHeadAttention)
 
 try:
     import transformers
@@ -175,6 +175,150 @@ def test_torch_func_grad_and_vmap():
     torch.testing.assert_close(g, xr.grad, rtol=1e-5, atol=1e-6)
     out = torch.func.vmap(lambda x: run(m, x, x))(x[None].expand(2, 5, 2, 32))
     torch.testing.assert_close(out[1], run(m, x, x), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the fast rotation == apply_rotary, bit for bit
+def _cos_sin(n, rd, interleaved, dtype=torch.float32, batch=None):
+    c, s = rotary_cos_sin(rotary_angles(torch.arange(n), rd, dtype=torch.float64), interleaved)
+    c, s = c.to(dtype), s.to(dtype)
+    if batch is None: return c[:, None, None], s[:, None, None]        # [n, 1, 1, rd]
+    shift = torch.arange(batch)[:, None] * 0.37                          # [n, b, 1, rd]: per-batch angles
+    a = (torch.arange(n)[None] + shift)[..., None].double() * rotary_inv_freq(rd, dtype=torch.float64)
+    c, s = rotary_cos_sin(a, interleaved)
+    return c.transpose(0, 1)[:, :, None].to(dtype), s.transpose(0, 1)[:, :, None].to(dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 9), b=st.integers(1, 3), h=st.integers(1, 3), d=st.sampled_from([2, 4, 8, 12]),
+       rd_frac=st.sampled_from([1, 2]), interleaved=st.booleans(), per_batch=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_apply_rotary_fast_is_apply_rotary_bit_for_bit(n, b, h, d, rd_frac, interleaved, per_batch, dtype, seed):
+    "Same values and the same gradient as `apply_rotary`, exactly (torch.equal), for both layouts and partial rotation."
+    rd = max(2, d // rd_frac // 2 * 2)
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, b, h, d, generator=g) * 3).to(dtype).requires_grad_()
+    go = torch.randn(n, b, h, d, generator=g).to(dtype)
+    c, s = _cos_sin(n, rd, interleaved, dtype, b if per_batch else None)
+    ref, fast = apply_rotary(x, c, s, interleaved), apply_rotary_fast(x, c, s, interleaved)
+    assert fast.dtype == ref.dtype and fast.shape == ref.shape
+    assert torch.equal(fast, ref)
+    g_ref, = torch.autograd.grad(ref, x, go)
+    g_fast, = torch.autograd.grad(fast, x, go)
+    assert torch.equal(g_fast, g_ref)
+
+
+@pytest.mark.parametrize("interleaved, rd", [(False, 6), (True, 6), (False, 10), (True, 4)])
+def test_gradcheck_gradgradcheck_apply_rotary_fast(interleaved, rd):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    c, s = rotary_cos_sin(rotary_angles(torch.arange(5), rd, dtype=torch.float64)[:, None], interleaved)
+    f = lambda x: apply_rotary_fast(x, c, s, interleaved)
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradgradcheck(f, (x,))               # its backward is itself differentiable
+    # the second derivative is the readable one's, bit for bit (the rotation is linear: it is zero, and the
+    # mixed one, d/d(grad_output), is the rotation back)
+    go = torch.randn(5, 2, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 2, 10, generator=g, dtype=torch.float64)
+    res = []
+    for fn in (apply_rotary, apply_rotary_fast):
+        gx, = torch.autograd.grad(fn(x, c, s, interleaved), x, go, create_graph=True)
+        res.append(torch.autograd.grad((gx * w).sum(), go))
+    assert torch.equal(res[0][0], res[1][0])
+
+
+def test_apply_rotary_fast_forward_mode_and_torch_func():
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(4, 3, 8, generator=g, dtype=torch.float64), torch.randn(4, 3, 8, generator=g, dtype=torch.float64)
+    c, s = rotary_cos_sin(rotary_angles(torch.arange(4), 8, dtype=torch.float64)[:, None])
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        out = apply_rotary_fast(fwAD.make_dual(x, t), c, s)
+        tangent = fwAD.unpack_dual(out).tangent
+    assert torch.equal(tangent, apply_rotary(t, c, s))        # linear: the tangent is rotated the same way
+    f = lambda x: apply_rotary_fast(x, c, s).square().sum()
+    torch.testing.assert_close(torch.func.grad(f)(x), 2 * apply_rotary(apply_rotary(x, c, s), c, -s), rtol=0, atol=1e-12)
+    _, jt = torch.func.jvp(lambda x: apply_rotary_fast(x, c, s), (x,), (t,))
+    assert torch.equal(jt, apply_rotary(t, c, s))
+    xs = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)
+    assert torch.equal(torch.func.vmap(lambda x: apply_rotary_fast(x, c, s))(xs), apply_rotary(xs, c, s))
+
+
+def test_apply_rotary_fast_falls_back_where_it_would_differ():
+    "cos/sin that need gradients, another dtype, a cos that broadcasts x larger: the readable result (and its errors)."
+    x = torch.randn(5, 2, 8, requires_grad=True)
+    c, s = rotary_cos_sin(rotary_angles(torch.arange(5), 8)[:, None])
+    cg = c.clone().requires_grad_()
+    apply_rotary_fast(x, cg, s).sum().backward()
+    assert cg.grad is not None and torch.equal(cg.grad, x.detach().sum(1, keepdim=True))
+    c64, s64 = c.double(), s.double()
+    assert torch.equal(apply_rotary_fast(x, c64, s64), apply_rotary(x, c64, s64))   # promotes like apply_rotary
+    wide_c, wide_s = c.expand(5, 3, 8), s.expand(5, 3, 8)                         # [5, 3, 8] against x [5, 1, 8]
+    assert torch.equal(apply_rotary_fast(x[:, :1], wide_c, wide_s), apply_rotary(x[:, :1], wide_c, wide_s))
+    with pytest.raises(ValueError, match="rotary_dim=8"):
+        apply_rotary_fast(x[..., :4], c, s)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(interleaved=True), dict(rotary_dim=4), dict(kv_heads=2),
+                                dict(rope_scaling={'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 4}),
+                                dict(rope_scaling={'rope_type': 'dynamic', 'factor': 2.0}, max_position_embeddings=4)])
+@pytest.mark.parametrize("ids", [False, True])
+def test_layer_fast_rotation_is_the_readable_one(kw, ids):
+    "The layer's fast rotation (cached tables or position ids, SDPA's memory order) gives the readable rotation's numbers exactly."
+    m = make(4, 32, **kw)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 2, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(7, 2, m.kv_heads, 8, generator=g, requires_grad=True)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3], [3, 4, 5, 6, 7, 8, 9]]) if ids else None
+    gq, gk = torch.randn(5, 2, 4, 8, generator=g), torch.randn(7, 2, m.kv_heads, 8, generator=g)
+    res = []
+    for fast in (False, True, True):      # the second fast call reads the cached tables
+        rq, rk = m.rotate(q, k, pos, fast=fast)
+        res.append((rq, rk, *torch.autograd.grad([rq, rk], [q, k], [gq, gk])))
+    for other in res[1:]:
+        for a, b in zip(res[0], other): assert torch.equal(a, b)
+    assert res[1][0].permute(1, 2, 0, 3).is_contiguous()            # written in SDPA's [batch, heads, seq, d] order
+
+
+def test_rotary_tables_do_not_depend_on_the_mode_that_built_them():
+    "A first call under inference_mode / no_grad / autocast leaves ordinary float tensors: a training step after it works and equals a fresh layer's."
+    x = torch.randn(6, 2, 32)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[..., None]
+    ref_m = make()
+    ref = run(ref_m, x, x, causal)
+    ref.sum().backward()
+    ref_grads = [p.grad.clone() for p in ref_m.parameters()]
+    for mode in (torch.inference_mode, torch.no_grad, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+        m = make()
+        with mode(): run(m, x, x, causal)
+        tables = m.rotary_tables(6, torch.float32, 'cpu')
+        assert all(not t.is_inference() and not t.requires_grad and t.dtype == torch.float32 for t in tables)
+        out = run(m, x, x, causal)
+        out.sum().backward()
+        assert torch.equal(out, ref)
+        for p, gr in zip(m.parameters(), ref_grads): assert torch.equal(p.grad, gr)
+
+
+def test_rotary_tables_follow_the_settings_and_stay_small():
+    m = make(4, 32)
+    x = torch.randn(6, 2, 32)
+    run(m, x, x)
+    m.base = 500.0                                                      # a setting changed on a built layer
+    torch.testing.assert_close(run(m, x, x), run(make(4, 32, base=500.0), x, x), rtol=0, atol=0)
+    for n in range(1, 12): run(m, x[:n], x[:n])
+    assert len(m._rotary_tables) <= 4
+    assert 'rotary' not in ''.join(m.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_double_backward_through_the_fast_path_names_the_way_out(dtype):
+    "The fast rotation is twice differentiable, SDPA's fused kernel is not: create_graph through the layer's fast path stops with the way out."
+    m = make().to(dtype)
+    q = torch.randn(4, 2, 32, dtype=dtype, requires_grad=True)
+    with pytest.raises(RuntimeError, match="need_weights=True"):
+        gq, = torch.autograd.grad(run(m, q, q).sum(), q, create_graph=True)
+        torch.autograd.grad(gq.sum(), q)
+    gq, = torch.autograd.grad(run(m, q, q, need_weights=True).sum(), q, create_graph=True)   # the way out works
+    torch.autograd.grad(gq.sum(), q)
 
 
 # ---------------------------------------------------------------- gradients
