@@ -383,8 +383,11 @@ def rotary_tables(self:RotaryMultiHeadAttention,
     key = (seq_len_k, dtype, torch.device(device), self.rotary_dim, self.base, self.interleaved,
            repr(self.rope_scaling), self.max_position_embeddings)
     cache = self.__dict__.setdefault('_rotary_tables', OrderedDict())   # not a buffer: never in the state_dict
-    if key in cache:
-        cache.move_to_end(key); return cache[key]
+    hit = cache.get(key)
+    if hit is not None:
+        try: cache.move_to_end(key)                     # most recently used last
+        except KeyError: pass                            # dropped by another thread meanwhile: still a valid pair
+        return hit
     # Built as normal tensors whatever the caller's mode: inside `torch.inference_mode()` they would be inference
     # tensors, which autograd refuses to save for a later training step; autocast and grad mode are switched off too.
     device = torch.device(device)

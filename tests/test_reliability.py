@@ -678,6 +678,21 @@ def _(mod):
     return raises(lambda: mod.apply_rotary(torch.randn(3, 4), cos, sin), "rotary_dim")
 
 
+@case("rotary", "apply_rotary_fast", "cos wider than x")
+def _(mod):
+    cos, sin = mod.rotary_cos_sin(mod.rotary_angles(torch.arange(3), 8))
+    return raises(lambda: mod.apply_rotary_fast(torch.randn(3, 4), cos, sin), "rotary_dim")
+
+
+@case("rotary", "apply_rotary_fast", "cos/sin of another dtype")
+def _(mod):
+    cos, sin = mod.rotary_cos_sin(mod.rotary_angles(torch.arange(3), 4, dtype=torch.float64))
+    x = torch.randn(3, 4)
+    if not torch.equal(mod.apply_rotary_fast(x, cos, sin), mod.apply_rotary(x, cos, sin)):
+        raise AssertionError("apply_rotary_fast differs from apply_rotary")
+    return "ok (== apply_rotary, promoted)"
+
+
 # ---------------------------------------------------------------- grouped-query heads, rope_scaling, position ids
 @case(*R_, "kv_heads not dividing heads")
 def _(mod): return raises(lambda: mod.RotaryMultiHeadAttention(4, D, kv_heads=3), "kv_heads")
