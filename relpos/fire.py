@@ -13,8 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 from .mha import MultiHeadAttention, functorch_active, differentiable_backward, is_causal_mask
-from .fourier import _as_int
-from .bias import _use_flex, _flex_heads
+from .bias import _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length
 
 # %% ../nbs/08b_fire.ipynb #fire0006
 def fire_psi(x:torch.Tensor, c:torch.Tensor) -> torch.Tensor:
@@ -70,22 +69,13 @@ class FireBias(nn.Module):
         return (self.c, self.L_multiplier, self.init_L, self.mlp[0].weight[:, 0], self.mlp[0].bias,
                 self.mlp[2].weight, self.mlp[2].bias)
 
-    def _offset(self, seq_len_q, seq_len_k, offset):
-        seq_len_q, seq_len_k = _as_int(seq_len_q, 'seq_len_q', 0), _as_int(seq_len_k, 'seq_len_k', 0)
-        if offset is None:
-            if seq_len_k < seq_len_q:
-                raise ValueError(f"seq_len_k ({seq_len_k}) must be >= seq_len_q ({seq_len_q}) when offset is None "
-                                 f"(the last query lines up with the last key); pass an explicit offset otherwise")
-            offset = seq_len_k - seq_len_q
-        return seq_len_q, seq_len_k, _as_int(offset, 'offset', 0)
-
     def forward(self,
                 seq_len_q:int,             # queries, at positions offset .. offset + seq_len_q - 1
                 seq_len_k:int,             # keys, at positions 0 .. seq_len_k - 1
                 offset:Optional[int]=None, # position of the first query; None: seq_len_k - seq_len_q
                ) -> torch.Tensor:          # `[1, heads, seq_q, seq_k]`
         "The bias, step by step: positions, normalised distance, the MLP on each (query, key) pair."
-        seq_len_q, seq_len_k, offset = self._offset(seq_len_q, seq_len_k, offset)
+        seq_len_q, seq_len_k, offset = _query_offset(seq_len_q, seq_len_k, offset, min_offset=0)
         w = self.mlp[0].weight
         pos_q = torch.arange(offset, offset + seq_len_q, device=w.device, dtype=w.dtype)
         pos_k = torch.arange(seq_len_k, device=w.device, dtype=w.dtype)
@@ -244,9 +234,7 @@ class FireMultiHeadAttention(MultiHeadAttention):
 
     def position_bias(self, seq_len_q:int, seq_len_k:int) -> torch.Tensor:
         "`[1, heads, seq_q, seq_k]`, added after the `1/sqrt(d_k)` scaling; the last query lines up with the last key."
-        if seq_len_k < seq_len_q:
-            raise ValueError(f"key must be at least as long as query (the last queries line up with the last keys), "
-                             f"got seq_len_q={seq_len_q}, seq_len_k={seq_len_k}")
+        _check_key_length(seq_len_q, seq_len_k)
         return self.positions(seq_len_q, seq_len_k)
 
     def attention_fast(self, query, key, value, mask):

@@ -16,17 +16,8 @@ import torch.nn.functional as F
 from .mha import (MultiHeadAttention, functorch_active, differentiable_backward, head_workers, run_head_groups,
                         block_key_ranges, is_causal_mask)
 from fastcore.basics import patch
-from .bias import _toeplitz_heads, toeplitz_score_mod, _use_flex, _flex_heads
-
-# %% ../nbs/04_fourier.ipynb #33934713
-def _as_int(x, name:str, minimum:Optional[int]=None) -> int:
-    "`x` as a Python int (bools refused), at least `minimum`; errors name the argument."
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer, torch.SymInt)):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
-    if isinstance(x, np.integer): x = int(x)
-    if minimum is not None and x < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {x}")
-    return x
+from .bias import (_toeplitz_heads, toeplitz_score_mod, _use_flex, _flex_heads, _as_int, _augmented_operands,
+                         _check_key_length)
 
 # %% ../nbs/04_fourier.ipynb #4c07d63f
 def _position_encoding_np(num_positions:int, input_dim:int, offset:int, max_wavelength:float) -> np.ndarray:
@@ -271,10 +262,7 @@ class _SDPAWithBiasGrad(torch.autograd.Function):
         # kept: dS is exactly the gradient of the bias. Blocks of (one batch, one head, c queries) x their keys,
         # ~2**18 scores (1 MB), stay in cache. lse and D = rowsum(dO * O) ride along as one extra column of the
         # two score-sized matrix products, so P = exp(q k^T * scale + bias - lse) and dP - D need no extra pass.
-        D = (grad_out * out).sum(-1, keepdim=True)
-        ones = k.new_ones(*k.shape[:-1], 1)
-        qa, ka = torch.cat([q * scale, -lse.unsqueeze(-1).to(q.dtype)], -1), torch.cat([k, ones], -1)
-        ga, va = torch.cat([grad_out, -D], -1), torch.cat([v, ones], -1)
+        qa, ka, ga, va = _augmented_operands(q, k, v, grad_out, out, lse, scale)   # chapter 3b
         dq, dk, dv = q.new_empty(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
         c = max(16, _BLOCK_SCORES // max(1, nk))
         # Under a mask, block i0:i1 visits only keys [k0, k1): outside them every one of its rows has P = 0, so
@@ -381,9 +369,7 @@ class FourierMultiHeadAttention(MultiHeadAttention):
 
     def position_bias(self, seq_len_q:int, seq_len_k:int) -> torch.Tensor:
         "`[1, heads, seq_q, seq_k]`, added to the scores after the `1/sqrt(d_k)` scaling; last query aligned with last key."
-        if seq_len_k < seq_len_q:
-            raise ValueError(f"key must be at least as long as query (the last queries line up with the last keys), "
-                             f"got seq_len_q={seq_len_q}, seq_len_k={seq_len_k}")
+        _check_key_length(seq_len_q, seq_len_k)
         return self.positions(seq_len_q, seq_len_k)
 
     def attention_fast(self, query, key, value, mask):

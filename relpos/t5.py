@@ -12,11 +12,11 @@ from typing import Optional
 import torch
 from torch import nn
 from .mha import MultiHeadAttention, is_causal_mask, expand_kv, check_position_ids
-from .fourier import _as_int, sdpa_bias
+from .fourier import sdpa_bias
 from .bias import toeplitz, toeplitz_attention, _toeplitz_heads, _toeplitz_attention_reference
 _all_ = ['toeplitz', 'toeplitz_attention']   # chapter 3b's Toeplitz kernel, importable from relpos.t5 too
 from fastcore.basics import patch
-from .bias import toeplitz_score_mod, _use_flex, _flex_heads
+from .bias import toeplitz_score_mod, _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length
 
 # %% ../nbs/08_t5.ipynb #t50006
 def check_buckets(bidirectional:bool, # one set of buckets per direction (encoder) or only keys at or before the query (decoder)
@@ -93,22 +93,13 @@ class T5RelativeBias(nn.Module):
         "This module's bucket of each relative position."
         return relative_position_bucket(relative_position, self.bidirectional, self.num_buckets, self.max_distance)
 
-    def _offset(self, seq_len_q, seq_len_k, offset):
-        seq_len_q, seq_len_k = _as_int(seq_len_q, 'seq_len_q', 0), _as_int(seq_len_k, 'seq_len_k', 0)
-        if offset is None:
-            if seq_len_k < seq_len_q:
-                raise ValueError(f"seq_len_k ({seq_len_k}) must be >= seq_len_q ({seq_len_q}) when offset is None "
-                                 f"(the last query lines up with the last key); pass an explicit offset otherwise")
-            offset = seq_len_k - seq_len_q
-        return seq_len_q, seq_len_k, _as_int(offset, 'offset')
-
     def forward(self,
                 seq_len_q:int,             # number of queries
                 seq_len_k:int,             # number of keys
                 offset:Optional[int]=None, # absolute position of the first query (T5's `past_seen_tokens`); None: seq_len_k - seq_len_q
                ) -> torch.Tensor:          # `[1, heads, seq_q, seq_k]`
         "T5's `compute_bias`, step by step: the distance of every (query, key) pair, its bucket, the table's row."
-        seq_len_q, seq_len_k, offset = self._offset(seq_len_q, seq_len_k, offset)
+        seq_len_q, seq_len_k, offset = _query_offset(seq_len_q, seq_len_k, offset)
         device = self.relative_attention_bias.weight.device
         query_position = torch.arange(seq_len_q, device=device)[:, None] + offset
         key_position = torch.arange(seq_len_k, device=device)[None, :]
@@ -128,14 +119,14 @@ class T5RelativeBias(nn.Module):
 
     def distance_bias(self, seq_len_q:int, seq_len_k:int, offset:Optional[int]=None) -> torch.Tensor:
         "The bias's `seq_q + seq_k - 1` distinct values per head, `[heads, seq_q + seq_k - 1]`; column m is distance `m - (offset + seq_q - 1)`."
-        seq_len_q, seq_len_k, offset = self._offset(seq_len_q, seq_len_k, offset)
+        seq_len_q, seq_len_k, offset = _query_offset(seq_len_q, seq_len_k, offset)
         device = self.relative_attention_bias.weight.device
         distance = torch.arange(max(0, seq_len_q + seq_len_k - 1), device=device) - (offset + seq_len_q - 1)
         return self.relative_attention_bias(self.bucket(distance)).T          # [heads, seq_q + seq_k - 1]
 
     def fast(self, seq_len_q:int, seq_len_k:int, offset:Optional[int]=None) -> torch.Tensor:
         "`forward`'s bias from `distance_bias`: O(seq_q + seq_k) buckets and lookups, a strided view (not copied)."
-        seq_len_q, seq_len_k, offset = self._offset(seq_len_q, seq_len_k, offset)
+        seq_len_q, seq_len_k, offset = _query_offset(seq_len_q, seq_len_k, offset)
         return toeplitz(self.distance_bias(seq_len_q, seq_len_k, offset), seq_len_q, seq_len_k)[None]
 
 # %% ../nbs/08_t5.ipynb #t50029
@@ -164,9 +155,7 @@ class T5MultiHeadAttention(MultiHeadAttention):
 
     def position_bias(self, seq_len_q:int, seq_len_k:int, position_ids:Optional[torch.Tensor]=None) -> torch.Tensor:
         "`[1, heads, seq_q, seq_k]` (T5's `compute_bias`), added after the `1/sqrt(d_k)` scaling; last query on the last key. With `position_ids`: `[batch or 1, heads, seq_q, seq_k]` from their differences."
-        if seq_len_k < seq_len_q:
-            raise ValueError(f"key must be at least as long as query (the last queries line up with the last keys), "
-                             f"got seq_len_q={seq_len_q}, seq_len_k={seq_len_k}")
+        _check_key_length(seq_len_q, seq_len_k)
         if position_ids is not None: return self.positions.from_positions(position_ids, seq_len_q)
         return self.positions(seq_len_q, seq_len_k)
 
