@@ -12,7 +12,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
-from .mha import MultiHeadAttention, functorch_active, differentiable_backward, is_causal_mask
+from .mha import (MultiHeadAttention, functorch_active, differentiable_backward, is_causal_mask, head_workers,
+                        run_head_groups)
 from .bias import _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length
 
 # %% ../nbs/08b_fire.ipynb #fire0006
@@ -84,8 +85,6 @@ class FireBias(nn.Module):
 
 
 # %% ../nbs/08b_fire.ipynb #fire0018
-_flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
-
 def fire_segments(w1:torch.Tensor, # `[width]`: the first layer's weights (one input)
                   b1:torch.Tensor, # `[width]`: its biases
                   w2:torch.Tensor, # `[heads, width]`: the second layer's weights
@@ -100,22 +99,51 @@ def fire_segments(w1:torch.Tensor, # `[width]`: the first layer's weights (one i
         active = (mids[:, None] * w1 + b1 > 0).to(w1.dtype)                    # [m + 1, width]: the units on in each piece
     return breaks, w2 @ (active * w1).T, w2 @ (active * b1).T + b2[:, None]
 
-def _fire_block(i0, i1, kend, offset, causal, eps, params, dtype):
-    "FIRE's bias for query rows `i0:i1` (positions + `offset`) against keys `0:kend`, `[heads, rows, kend]`, from the MLP's pieces; -inf right of each query's position when `causal`."
+
+# %% ../nbs/08b_fire.ipynb #fire0041
+def _fire_tables(nq, nk, offset, eps, params):
+    """What every block's bias is made of, differentiable in `params`: `psi [nq + nk - 1]`, psi of the distances
+    `i - j = -(nk - 1) + offset ... nq - 1 + offset` (element u: distance u - (nk - 1) + offset), `den [nq]`, each query's
+    normaliser, and the MLP's pieces `(breaks, slope, intercept)` with one more piece, slope 0 and intercept -inf, that
+    the causal mask's hidden scores are sent to."""
     c, L_multiplier, init_L, w1, b1, w2, b2 = params
-    pos_q = torch.arange(i0 + offset, i1 + offset, device=w1.device, dtype=w1.dtype)
-    pos_k = torch.arange(kend, device=w1.device, dtype=w1.dtype)
-    x = fire_normalized_distance(pos_q, pos_k, c, torch.abs(L_multiplier * init_L), eps)      # [rows, kend]
+    dist = torch.arange(offset - nk + 1, offset + nq, device=w1.device, dtype=w1.dtype)
+    psi = fire_psi(dist, c)
+    pos_q = torch.arange(offset, offset + nq, device=w1.device, dtype=w1.dtype)
+    den = fire_psi(torch.maximum(pos_q, torch.abs(L_multiplier * init_L)), c) + eps
     breaks, slope, intercept = fire_segments(w1, b1, w2, b2)
-    piece = torch.bucketize(x.detach(), breaks).view(-1)                                       # the MLP's piece of each x
-    heads = w2.shape[0]
-    bias = torch.addcmul(intercept.index_select(1, piece).view(heads, *x.shape),
-                         slope.index_select(1, piece).view(heads, *x.shape), x).to(dtype)     # [heads, rows, kend]
+    slope = torch.cat([slope, slope.new_zeros(slope.shape[0], 1)], 1)
+    intercept = torch.cat([intercept, intercept.new_full((intercept.shape[0], 1), float('-inf'))], 1)
+    return psi, den, breaks, slope, intercept
+
+def _fire_x(psi, den, breaks, i0, i1, kend, nk, offset, causal, x, piece):
+    "Write the normalised distance of query rows `i0:i1` against keys `0:kend` into `x [rows, kend]` (psi of the distance over the row's normaliser), and its MLP piece into `piece` (the last piece: hidden by the causal mask)."
+    # x[r, j] = psi[i0 + r - j + nk - 1] / den[i0 + r]: constant along diagonals, read as a Hankel view (positive
+    # strides) of psi with the columns reversed, then flipped
+    torch.div(psi.as_strided((i1 - i0, kend), (1, 1), i0 + nk - kend).flip(-1), den[i0:i1, None], out=x)
+    torch.bucketize(x, breaks, out=piece)
     lo = i0 + offset + 1                    # the first key that some row of the block must not see
-    if causal and kend > lo:                # -inf right of each row's position: only the block's last columns
-        hide = torch.arange(lo, kend, device=x.device)[None, :] > pos_q.long()[:, None]
-        bias[:, :, lo:] = bias[:, :, lo:].masked_fill(hide, float('-inf'))
-    return bias
+    if causal and kend > lo:
+        hide = torch.arange(lo, kend, device=x.device)[None, :] > torch.arange(i0 + offset, i1 + offset, device=x.device)[:, None]
+        piece[:, lo:].masked_fill_(hide, breaks.numel() + 1)
+
+def _fire_head_bias(slope_h, intercept_h, x, piece, out):
+    "The bias of one head on a block, `intercept[piece] + slope[piece] * x`, written into `out`; returns it and `slope[piece]` (the bias's derivative in x)."
+    s = slope_h.index_select(0, piece.view(-1)).view(x.shape)
+    return torch.index_select(intercept_h, 0, piece.view(-1), out=out.view(-1)).view(x.shape).addcmul_(s, x), s
+
+def _fire_block_pairs(psi, den, breaks, block, nk, offset, causal, workers, buffers):
+    "x and piece of a block (`_fire_x`), its rows split over `workers` single-threaded workers; in `buffers` (grown as needed)."
+    i0, i1, kend = block
+    rows = i1 - i0
+    if buffers.get('x') is None or buffers['x'].numel() < rows * kend:
+        buffers['x'], buffers['piece'] = psi.new_empty(rows * kend), torch.empty(rows * kend, dtype=torch.long, device=psi.device)
+    x, piece = buffers['x'][:rows * kend].view(rows, kend), buffers['piece'][:rows * kend].view(rows, kend)
+    def part(w, _):
+        r0, r1 = rows * w // workers, rows * (w + 1) // workers
+        if r1 > r0: _fire_x(psi, den, breaks, i0 + r0, i0 + r1, kend, nk, offset, causal, x[r0:r1], piece[r0:r1])
+    run_head_groups(workers, workers, part)
+    return x, piece
 
 
 # %% ../nbs/08b_fire.ipynb #fire0020
@@ -130,28 +158,47 @@ def _fire_attention_reference(q, k, v, scale, causal, offset, eps, *params):
     if causal: bias = bias.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(offset).logical_not(), float('-inf'))
     return torch.softmax(q @ k.transpose(-1, -2) * scale + bias.to(q.dtype), dim=-1) @ v
 
-_FIRE_BLOCK_SCORES = 2**21   # scores per block (over `lanes` x heads): the block's bias and its pieces, P and dS; tests shrink it
+_FIRE_BLOCK_SCORES = 2**18   # scores per block and head (1 MB in float32: P, dS and the head's bias stay in cache); tests shrink it
 
-def _fire_rows(lanes, heads, nk):
-    "Query rows per block: about `_FIRE_BLOCK_SCORES` scores over `lanes` x heads, at least 16."
-    return max(16, _FIRE_BLOCK_SCORES // max(1, lanes * heads * nk))
+def _fire_blocks(nq, nk, offset, causal):
+    "`(i0, i1, kend)` per block of query rows: about `_FIRE_BLOCK_SCORES` scores per head, at least 16 rows; causal: only the keys its last row sees."
+    rows = max(16, _FIRE_BLOCK_SCORES // max(1, nk))
+    return [(i0, min(i0 + rows, nq), min(nk, min(i0 + rows, nq) + offset) if causal else nk) for i0 in range(0, nq, rows)]
 
 class _FireAttention(torch.autograd.Function):
-    """softmax(q k^T * scale + FIRE bias) v on the fused CPU kernel, block of query rows by block: the bias of a block is
-    computed from the MLP, used and dropped; the backward computes it again (no `[n_q, n_k]` bias is kept)."""
+    """softmax(q k^T * scale + FIRE bias) v on CPU, block of query rows by block and head by head: the bias of a block is
+    computed from the MLP's pieces, used and dropped; the backward computes it again (no `[n_q, n_k]` bias is kept)."""
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, offset, eps, *params):
         batch, heads, nq, _ = q.shape
         nk = k.shape[-2]
-        rows = _fire_rows(2, heads, nk)    # the forward holds the block's bias and its pieces, not its scores
-        outs, lses = [], []
-        for i0 in range(0, nq, rows):
-            i1 = min(i0 + rows, nq)
-            kend = min(nk, i1 + offset) if causal else nk     # causal: no row of the block sees a key after i1 - 1 + offset
-            bias = _fire_block(i0, i1, kend, offset, causal, eps, params, q.dtype)
-            o, l = _flash_cpu(q[:, :, i0:i1], k[:, :, :kend], v[:, :, :kend], 0.0, False, attn_mask=bias[None], scale=scale)
-            outs.append(o); lses.append(l)
-        out, lse = torch.cat(outs, -2), torch.cat(lses, -1)
+        psi, den, breaks, slope, intercept = _fire_tables(nq, nk, offset, eps, params)
+        # the output in the layout of the layer's heads ([seq, batch, heads, d]): its permute back is free
+        out = q.new_empty(nq, batch, heads, v.shape[-1]).permute(1, 2, 0, 3)
+        lse = q.new_empty(batch, heads, nq)
+        blocks = _fire_blocks(nq, nk, offset, causal)
+        workers = head_workers(heads, batch * heads * sum((i1 - i0) * kend for i0, i1, kend in blocks))
+        size = max((i1 - i0) * kend for i0, i1, kend in blocks)
+        scratch = [dict(s=q.new_empty(size), bias=slope.new_empty(size), k=q.new_empty(nk, k.shape[-1]),
+                        v=q.new_empty(nk, v.shape[-1])) for _ in range(workers)]
+        buffers = {}
+        for i0, i1, kend in blocks:
+            rows = i1 - i0
+            x, piece = _fire_block_pairs(psi, den, breaks, (i0, i1, kend), nk, offset, causal, workers, buffers)
+            def work(w, head_group):   # per head: its bias on the block; per batch element: the rows' softmax
+                sc, n = scratch[w], rows * kend
+                for h in head_group:
+                    bias = _fire_head_bias(slope[h], intercept[h], x, piece, sc['bias'][:n])[0].to(q.dtype)
+                    for b in range(batch):
+                        # this head's keys and values, copied out of the layer's layout (rows batch x heads x d
+                        # apart, which the matrix products read far slower than rows next to each other)
+                        kb, vb = sc['k'][:kend].copy_(k[b, h, :kend]), sc['v'][:kend].copy_(v[b, h, :kend])
+                        s = torch.addmm(bias, q[b, h, i0:i1], kb.T, alpha=scale, out=sc['s'][:n].view(rows, kend))
+                        m = s.amax(1, keepdim=True)
+                        l = s.sub_(m).exp_().sum(1, keepdim=True)
+                        torch.mm(s, vb, out=out[b, h, i0:i1]).div_(l)                       # P V / rowsum
+                        lse[b, h, i0:i1] = (m + l.log())[:, 0]
+            run_head_groups(workers, heads, work)
         ctx.save_for_backward(q, k, v, out, lse, *params)
         ctx.scale, ctx.causal, ctx.offset, ctx.eps = scale, causal, offset, eps
         return out
@@ -165,38 +212,78 @@ class _FireAttention(torch.autograd.Function):
                                            grad_out)
         batch, heads, nq, _ = q.shape
         nk = k.shape[-2]
-        # flash attention's backward, written out per block of query rows (all heads at once):
-        # P = exp(S - lse), dV += P^T dO, dS = P * (dO V^T - D), dQ = dS K, dK += dS^T Q; and dS summed over the batch
-        # is the gradient of the block's bias, which autograd takes back through the MLP to its parameters
-        D = (grad_out * out).sum(-1, keepdim=True)
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         wants = [p.requires_grad for p in params]
-        dparams = [torch.zeros_like(p) if w else None for p, w in zip(params, wants)]
         leaves = [p.detach().requires_grad_(w) for p, w in zip(params, wants)]
-        rows = _fire_rows(2, heads, nk)    # P and dS of one batch element, the block's bias and its graph
-        for i0 in range(0, nq, rows):
-            i1 = min(i0 + rows, nq)
-            kend = min(nk, i1 + offset) if causal else nk
+        with torch.enable_grad():    # the tables, with their graphs to the parameters (small: O(n + heads x pieces))
+            psi, den, breaks, slope, intercept = _fire_tables(nq, nk, offset, eps, leaves)
+        pieces = slope.shape[1]
+        psi_, den_, sl, ic = psi.detach(), den.detach(), slope.detach(), intercept.detach()
+        dq = q.new_empty(q.shape)
+        dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
+        blocks = _fire_blocks(nq, nk, offset, causal)
+        size = max((i1 - i0) * kend for i0, i1, kend in blocks)
+        dbias_wanted = any(wants)
+        workers = head_workers(heads, batch * heads * sum((i1 - i0) * kend for i0, i1, kend in blocks))
+        # per worker: its scratch (P, dP, dS summed over the batch, the head's bias, K and V of one head), and what it
+        # gathers of the bias's gradient: per head and piece of the MLP (sum of dS, sum of dS x), per distance (psi),
+        # per query (den)
+        scratch = [dict(p=q.new_empty(size), dp=q.new_empty(size), acc=q.new_empty(size), bias=sl.new_empty(size),
+                        k=q.new_empty(nk, k.shape[-1]), v=q.new_empty(nk, v.shape[-1])) for _ in range(workers)]
+        grads = [dict(icpt=sl.new_zeros(heads, pieces), slope=sl.new_zeros(heads, pieces), psi=psi_.new_zeros(psi_.shape),
+                      den=den_.new_zeros(den_.shape)) for _ in range(workers)]
+        buffers = {}
+        for i0, i1, kend in blocks:
+            rows = i1 - i0
+            x, piece = _fire_block_pairs(psi_, den_, breaks, (i0, i1, kend), nk, offset, causal, workers, buffers)
+
+            def work(w, head_group):
+                # flash attention's backward, written out per (head, batch element) on the block, single-threaded:
+                # P = exp(S - lse), dV += P^T dO, dS = P * (dO V^T - D), dQ = dS K, dK += dS^T Q
+                sc, gr = scratch[w], grads[w]
+                n = rows * kend
+                # dL/dx over this worker's heads, in a zeroed buffer whose row stride is one less than its width: entry
+                # (r, j) sits in column j - r + rows - 1, so a column sum is a sum along a diagonal (one distance)
+                width = rows + kend - 1
+                padded = sl.new_zeros(rows * width)
+                gx = padded.as_strided((rows, kend), (max(1, width - 1), 1), rows - 1)
+                for h in head_group:
+                    bias, dbdx = _fire_head_bias(sl[h], ic[h], x, piece, sc['bias'][:n])
+                    bias = bias.to(q.dtype)
+                    acc = sc['acc'][:n].view(rows, kend)
+                    for b in range(batch):
+                        kb, vb = sc['k'][:kend].copy_(k[b, h, :kend]), sc['v'][:kend].copy_(v[b, h, :kend])
+                        qb, gb = q[b, h, i0:i1], grad_out[b, h, i0:i1]
+                        p = torch.addmm(bias, qb, kb.T, alpha=scale, out=sc['p'][:n].view(rows, kend))
+                        p = p.sub_(lse[b, h, i0:i1, None]).exp_()                                      # P
+                        dv[b, h, :kend].addmm_(p.T, gb)
+                        dp = torch.mm(gb, vb.T, out=sc['dp'][:n].view(rows, kend))
+                        D = (gb * out[b, h, i0:i1]).sum(-1, keepdim=True)                              # rowsum(dO * O)
+                        ds = p.mul_(dp.sub_(D))                                                        # dS
+                        torch.mm(ds, kb, out=dq[b, h, i0:i1])
+                        dk[b, h, :kend].addmm_(ds.T, qb)
+                        if dbias_wanted:
+                            if b == 0: acc.copy_(ds)
+                            else: acc.add_(ds)
+                    if dbias_wanted:   # dS summed over the batch is the gradient of the head's bias on the block
+                        a = acc.view(-1).to(sl.dtype)
+                        gr['icpt'][h].index_add_(0, piece.view(-1), a)
+                        gr['slope'][h].index_add_(0, piece.view(-1), a * x.view(-1))
+                        gx.addcmul_(a.view(rows, kend), dbdx)
+                if dbias_wanted:
+                    gx.div_(den_[i0:i1, None])                                      # dL/dpsi of each pair
+                    gr['den'][i0:i1] -= (gx * x).sum(1)                             # x = psi / den
+                    lo = i0 + nk - kend                                             # psi's element of column width - 1
+                    gr['psi'][lo:lo + width] += padded.view(rows, width).sum(0).flip(0)
+
+            run_head_groups(workers, heads, work)
+        dparams = [None] * len(params)
+        if dbias_wanted:
+            total = [sum(g[name] for g in grads) for name in ('icpt', 'slope', 'psi', 'den')]
+            want_leaves = [l for l, w in zip(leaves, wants) if w]
             with torch.enable_grad():
-                bias = _fire_block(i0, i1, kend, offset, causal, eps, leaves, q.dtype)
-            dbias = torch.zeros_like(bias) if any(wants) else None
-            # one batch element at a time: its [heads, rows, d] slices are strided views that the matrix products read
-            # in place (the layer's q, k, v are permuted views: a [batch * heads] reshape would copy all of them)
-            for b in range(batch):
-                qb, gb = q[b, :, i0:i1], grad_out[b, :, i0:i1]
-                kb, vb = k[b, :, :kend], v[b, :, :kend]
-                p = torch.bmm(qb, kb.transpose(1, 2)).mul_(scale).add_(bias.detach())
-                p = p.sub_(lse[b, :, i0:i1, None]).exp_()                                   # P, [heads, rows, kend]
-                dv[b, :, :kend].baddbmm_(p.transpose(1, 2), gb)
-                ds = torch.bmm(gb, vb.transpose(1, 2)).sub_(D[b, :, i0:i1]).mul_(p)         # dS
-                torch.bmm(ds, kb, out=dq[b, :, i0:i1])
-                dk[b, :, :kend].baddbmm_(ds.transpose(1, 2), qb)
-                if dbias is not None: dbias += ds
-            if any(wants):
-                want_leaves = [l for l, w in zip(leaves, wants) if w]
-                for acc, g in zip([d for d in dparams if d is not None],
-                                  torch.autograd.grad(bias, want_leaves, dbias, allow_unused=True)):
-                    if g is not None: acc += g
+                got = iter(torch.autograd.grad([intercept, slope, psi, den], want_leaves, total, allow_unused=True))
+            dparams = [next(got) if w else None for w in wants]
+            dparams = [torch.zeros_like(p) if w and g is None else g for p, w, g in zip(params, wants, dparams)]
         return (dq.mul_(scale), dk.mul_(scale), dv, None, None, None, None, *dparams)
 
 def fire_attention(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`, queries at positions `seq_k - seq_q ...`
@@ -210,8 +297,8 @@ def fire_attention(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`, queries at
     nq, nk = q.shape[-2], k.shape[-2]
     if nk < nq: raise ValueError(f"k must have at least as many positions as q (the last query on the last key), got seq_q={nq}, seq_k={nk}")
     params = fire.mlp_params()
-    if (_flash_cpu is not None and q.device.type == 'cpu' and q.dtype in (torch.float32, torch.float64)
-            and q.dtype == k.dtype == v.dtype and nq > 0 and not torch.compiler.is_compiling() and not functorch_active()):
+    if (q.device.type == 'cpu' and q.dtype in (torch.float32, torch.float64) and q.dtype == k.dtype == v.dtype
+            and nq > 0 and not torch.compiler.is_compiling() and not functorch_active()):
         return _FireAttention.apply(q, k, v, scale, causal, nk - nq, fire.eps, *params)
     return _fire_attention_reference(q, k, v, scale, causal, nk - nq, fire.eps, *params)
 

@@ -184,3 +184,22 @@ def test_score_mod_equals_readable_bias(name, nq, nk):
     if wrt:
         g = torch.randn_like(got)
         for a, b in zip(_grads(got, wrt, g), _grads(want, wrt, g)): torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.usefixtures('small_blocks')
+@pytest.mark.parametrize('causal', [False, True])
+def test_workers_equal_one_thread(causal, monkeypatch):
+    "Two workers over disjoint heads (and a block's rows split between them) give what one worker gives: values and every gradient, float64."
+    f = _fire(heads=3)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, n, 4, generator=g, dtype=torch.float64, requires_grad=True) for n in (37, 41, 41))
+    w = torch.randn(2, 3, 37, 4, generator=g, dtype=torch.float64)
+    wrt = [q, k, v] + list(f.parameters())
+    res = []
+    for workers in (1, 2):
+        monkeypatch.setattr(fire_mod, 'head_workers', lambda heads, work: workers)
+        out = fire_attention(q, k, v, f, 0.5, causal)
+        res.append([out] + list(_grads(out, wrt, w)))
+    for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    ref = fire_mod._fire_attention_reference(q, k, v, 0.5, causal, 4, f.eps, *f.mlp_params())
+    torch.testing.assert_close(res[1][0], ref, rtol=1e-11, atol=1e-12)
