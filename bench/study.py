@@ -485,10 +485,16 @@ class StudyResults:
         return sorted(ls, key=lambda l: self.mean(l, length, protocol, phase))
 
     def step_time(self, label) -> float:
-        "Median step time of the run behind `label`: the timing phase's runs, else the main phase's."
+        """Median step time of the timing phase's runs behind `label`; NaN until they are stored (the quality runs' own
+        step times, kept in each run file, were measured under whatever else the machine was running)."""
         base = run_label(label)
         t = [r['step_time'] for r in self.all if r['phase'] == 'timing' and r['label'] == base]
-        return statistics.median(t or [r['step_time'] for r in self.all if r['phase'] == 'main' and r['label'] == base] or [math.nan])
+        return statistics.median(t) if t else math.nan
+
+    def ratio_text(self, label) -> str:
+        "'1.23×' the step time of `none`, or '–' before the timing phase."
+        r = self.time_ratio(label)
+        return '–' if math.isnan(r) else f'{r:.2f}×'
 
     def time_ratio(self, label) -> float: return self.step_time(label) / self.step_time('none')
 
@@ -505,7 +511,7 @@ class StudyResults:
         "Markdown: every label's bits per byte at 1x-8x the training length under `protocol`, with its seeds and step time."
         head = ['label', 'seeds'] + [f'{L} ({L // self.seq}×)' for L in self.lengths] + ['step time vs `none`']
         rows = [[f'`{l}`', str(len(self.runs(l, phase)))] + [self.fmt(l, L, protocol, phase) for L in self.lengths]
-                + [f'{self.time_ratio(l):.2f}×'] for l in self.labels if self.runs(l, phase)]
+                + [self.ratio_text(l)] for l in self.labels if self.runs(l, phase)]
         return '\n'.join(['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows])
 
     def verdicts(self, phase='main') -> dict:
@@ -555,8 +561,8 @@ class StudyResults:
             rows.append(('long texts read segment by segment',
                          f"`{base}` with `mem_len`" if gain else f"no memory: `{bo}` read in one pass",
                          f"best with memory `{bm}` {b(bm, L, 'nonoverlap')} at {L} (a), against `{base}` in one pass "
-                         f"{b(base, L, 'nonoverlap')} and the best in one pass `{bo}` {b(bo, L, 'nonoverlap')}; `{bm}` at "
-                         f"{self.time_ratio(bm):.2f}× the step time of `none`"))
+                         f"{b(base, L, 'nonoverlap')} and the best in one pass `{bo}` {b(bo, L, 'nonoverlap')}"
+                         + ('' if math.isnan(self.time_ratio(bm)) else f"; `{bm}` at {self.time_ratio(bm):.2f}× the step time of `none`")))
         worse, refused = v['worse'], v['refused']
         if worse or refused:
             rows.append(('not, beyond the training length', ', '.join(f'`{l}`' for l in worse + refused),

@@ -113,6 +113,7 @@ def test_cli_stores_each_run_skips_stored_ones_and_loads_a_partial_store(tmp_pat
     R = StudyResults(S.load_results(tmp_path), {'main': [('alibi', 0), ('none', 0)]})
     assert R.labels == ['none'] and R.missing() == [('alibi', 0)] and 'seed 0: `alibi`' in R.coverage()
     assert R.table().count('\n') == 2 and R.seq == 16
+    assert R.table().endswith('| – |') and R.ratio_text('none') == '–'   # no timing phase: no step time (never the quality runs' own)
 
 def _fake(label, seed, bpb, phase='main', step=1.0, seq=128):
     "A stored run of `label` whose evals are `bpb`: {derived label: (nonoverlap {L: v}, sliding {L: v})}."
