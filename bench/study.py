@@ -394,14 +394,16 @@ def _worker(kw:dict) -> dict:
           f"step {r['step_time'] * 1e3:.0f} ms, {r['seconds']:.0f} s", flush=True)
     return r
 
-def long_labels(results=None, top:int=3) -> list:
+def long_labels(results=None, top:int=3, also=('rotary', 't5', 'fire')) -> list:
     """The runs of the `long` phase: the runs behind the `top` best labels of the main phase by protocol (b) at 8x
-    the training length, plus `rotary` (for `rotary+yarn+ft`) if not among them."""
+    the training length, plus those of `also` not among them: `rotary` (for `rotary+yarn+ft`), and `t5` and `fire`,
+    the two learned-bias methods furthest behind at the training length after 300 steps, to see whether a longer
+    budget changes their place."""
     R = results or StudyResults.load()
     L = R.long
     ranked = [l for l in R.ranking('sliding', L) if math.isfinite(R.mean(l, L, 'sliding'))]
     runs = list(dict.fromkeys(run_label(l) for l in ranked[:top]))
-    return runs + ([] if 'rotary' in runs else ['rotary'])
+    return runs + [l for l in also if l not in runs]
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reading the stored runs (the chapter and the docs home)

@@ -170,8 +170,9 @@ def test_memory_that_does_not_beat_one_pass_is_not_recommended_and_the_long_phas
 
 def test_long_phase_takes_the_best_runs_and_rotary():
     R = _synthetic()
-    assert S.long_labels(R, top=3) == ['alibi', 'rotary', 'alibi+memory']   # alibi, rotary+yarn+ft -> rotary, alibi+memory
-    assert S.long_labels(R, top=1) == ['alibi', 'rotary']
+    assert S.long_labels(R, top=3) == ['alibi', 'rotary', 'alibi+memory', 't5', 'fire']   # alibi, rotary+yarn+ft -> rotary, alibi+memory
+    assert S.long_labels(R, top=1) == ['alibi', 'rotary', 't5', 'fire']
+    assert S.long_labels(R, top=1, also=('rotary',)) == ['alibi', 'rotary']
 
 def test_extend_position_tables_keeps_trained_lengths_and_clips_beyond():
     torch.manual_seed(0)
