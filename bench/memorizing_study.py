@@ -3,6 +3,7 @@ does a kNN memory lower bits per byte on long documents, how much memory, and ho
 Transformer-XL cache?
 
     python -m bench.memorizing_study            # every run not yet stored (`make memorizing-study`): resumable
+    python -m bench.memorizing_study --phase long   # one budget only ('short': 300 steps, 'long': 1,200)
     python -m bench.memorizing_study --list     # the runs and which are stored
     python -m bench.memorizing_study --pilot    # a few steps of each setting: what a step costs
 
@@ -10,11 +11,13 @@ Corpus: the Python standard library's own source files of at least 16 KB, one do
 training and validation by a hash of the file's path; the list of files with their sha256 is stored in
 nbs/data/memorizing_corpus.json, so that another Python (other files) is detected and reported. Byte tokens.
 
-Each run is stored as soon as it finishes in nbs/data/memorizing_study/<label>__seed<k>.json; runs already stored
+Each run is stored as soon as it finishes in nbs/data/memorizing_study/<phase>__<label>__seed<k>.json; runs already stored
 are skipped, so an interrupted study continues where it stopped. At most two runs at once, one thread each.
 """
 import argparse, hashlib, json, math, os, statistics, sys, sysconfig, time
 from pathlib import Path
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -227,10 +230,16 @@ def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, h
             e = evaluate(model, val[:8], seq, min(eval_bytes, 4096))
             curve.append((step + 1, e['bits'] / e['bytes']))
     train_seconds, train_cpu = time.time() - t_start, time.process_time() - cpu_start
+    # How much each kNN layer's heads weigh local attention against the retrieved pairs after training: sigmoid of
+    # the constant gate's per-head bias (1: memory ignored). What the memory backend searched with, as built.
+    gates = [torch.sigmoid(a.gate.bias.detach()).tolist() for a in model.memorizing if hasattr(a.gate, 'bias')]
+    backend = [dict(kind=type(a.memory).__name__, **{k: getattr(a.memory, k) for k in ('capacity', 'nlist', 'nprobe', 'train_size')
+                                                      if hasattr(a.memory, k)})
+               for a in model.memorizing if a.memory is not None]
     t0 = time.time()
     ev = evaluate(model, val, seq, eval_bytes)
     return {'label': label, 'seed': seed, 'setting': setting, 'config': config, 'bpb': ev['bits'] / ev['bytes'], 'eval': ev,
-            'curve': curve, 'train_bpb': [round(v, 4) for v in train_bits],
+            'gate_local': gates, 'knn_memory': backend, 'curve': curve, 'train_bpb': [round(v, 4) for v in train_bits],
             # one thread: CPU time per step is the work, wall time adds the waits of a shared machine
             'step_time': statistics.median(times[20:] or times), 'step_times_mean': statistics.mean(times),
             'step_cpu': statistics.median(cpu[20:] or cpu), 'step_cpu_mean': statistics.mean(cpu),
@@ -245,8 +254,16 @@ SEQ = 128
 N_LAYERS = 4
 MELIAD_LAYER = 2     # meliad: the 9th of 12 layers (memory_layer_indices=(-4,)), 3/4 of the depth -> layer 2 of 0..3
 OTHER_LAYER = 0      # meliad's literal index -4 in a 4-layer model: the bottom layer
-COMMON = dict(steps=300, batch=8, seq=SEQ, d_model=96, heads=4, n_layers=N_LAYERS, position='xl_paper', lr=2e-3,
-              warmup=20, eval_docs=12, eval_bytes=16384)
+# Two budgets, every setting at each: 'short' (0.3 M training bytes, a 0.53 M-parameter model) and 'long' (4x the
+# steps, 1.2 M bytes, a wider model: 0.9 M parameters). Memory can only pay once the model has learned to use what
+# it retrieves, so what changes between the two is part of the answer.
+PHASES = {
+    'short': dict(steps=300, batch=8, seq=SEQ, d_model=96, heads=4, n_layers=N_LAYERS, position='xl_paper', lr=2e-3,
+                  warmup=20, eval_docs=12, eval_bytes=16384),
+    'long': dict(steps=1200, batch=8, seq=SEQ, d_model=128, heads=4, n_layers=N_LAYERS, position='xl_paper', lr=2e-3,
+                 warmup=60, eval_docs=12, eval_bytes=16384),
+}
+COMMON = PHASES['short']
 
 def settings() -> dict:
     "label -> the keyword arguments that make the setting (on top of `COMMON`)."
@@ -261,21 +278,23 @@ def settings() -> dict:
         'knn 64x faiss': knn(64, faiss=True),
     }
 
-def run_file(label:str, seed:int) -> Path: return RESULTS / f"{label.replace(' ', '_').replace('+', 'plus')}__seed{seed}.json"
+def run_file(label:str, seed:int, phase:str='long') -> Path:
+    return RESULTS / f"{phase}__{label.replace(' ', '_').replace('+', 'plus')}__seed{seed}.json"
 
-def all_runs(seeds=(0, 1), common=None) -> list:
-    "Every (setting, seed), seeds outermost: a study stopped half-way has every setting at seed 0."
-    common = common or COMMON
-    return [dict(label=l, seed=s, **common, **kw) for s in seeds for l, kw in settings().items()]
+def all_runs(seeds=(0, 1), phase:str='long', common=None) -> list:
+    "Every (setting, seed) of a phase, seeds outermost: a study stopped half-way has every setting at seed 0."
+    common = common or PHASES[phase]
+    return [dict(label=l, seed=s, phase=phase, **common, **kw) for s in seeds for l, kw in settings().items()]
 
 def _worker(kw:dict) -> dict:
-    out = Path(kw.pop('out_dir'))
+    out, phase = Path(kw.pop('out_dir')), kw.pop('phase', 'long')
     try: r = train_run(**kw)
     except Exception as e:   # a failed run is reported, never silently dropped (and not stored: rerun retries it)
         import traceback; traceback.print_exc()
         return {'label': kw['label'], 'seed': kw['seed'], 'error': f"{type(e).__name__}: {e}"}
-    write_json(out / run_file(kw['label'], kw['seed']).name, r)   # never a half-written result
-    print(f"{time.strftime('%H:%M:%S')} done {kw['label']} seed {kw['seed']}: {r['bpb']:.4f} bpb, "
+    r['phase'] = phase
+    write_json(out / run_file(kw['label'], kw['seed'], phase).name, r)   # never a half-written result
+    print(f"{time.strftime('%H:%M:%S')} done {phase} {kw['label']} seed {kw['seed']}: {r['bpb']:.4f} bpb, "
           f"step {r['step_time'] * 1e3:.0f} ms, train {r['train_seconds']:.0f} s, eval {r['eval_seconds']:.0f} s", flush=True)
     return r
 
@@ -287,6 +306,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--workers', type=int, default=2)
     ap.add_argument('--seeds', type=int, default=2)
+    ap.add_argument('--phase', nargs='+', choices=list(PHASES), default=list(PHASES), help='budgets to run (default: all)')
     ap.add_argument('--list', action='store_true', help='print the runs and which are stored')
     ap.add_argument('--pilot', type=int, default=0, help='time this many steps of every setting (nothing stored)')
     ap.add_argument('--out', default=None, help=f'directory of the stored runs (default {RESULTS.relative_to(ROOT)})')
@@ -297,19 +317,19 @@ def main(argv=None):
     diff = compare_manifests(stored_manifest(), build_manifest())
     if diff: sys.exit("the stored corpus is not this interpreter's: " + '; '.join(diff) +
                       " (rerun with --manifest to study this Python's stdlib instead, and delete the stored runs)")
-    runs = all_runs(tuple(range(a.seeds)))
+    runs = [r for p in a.phase for r in all_runs(tuple(range(a.seeds)), p)]
     if a.pilot:
-        for r in runs[:len(settings())]:
-            r.update(steps=a.pilot, eval_docs=2, eval_bytes=1024)
+        for r in all_runs((0,), a.phase[-1]):
+            r.update(steps=a.pilot, eval_docs=2, eval_bytes=1024); r.pop('phase')
             t0 = time.time(); out = train_run(**r)
             print(f"{r['label']}: step {out['step_time'] * 1e3:.0f} ms (mean {out['step_times_mean'] * 1e3:.0f}), "
                   f"eval {out['eval_seconds']:.1f} s, total {time.time() - t0:.1f} s", flush=True)
         return
     out = Path(a.out or RESULTS)
-    todo = [dict(r, out_dir=str(out)) for r in runs if not (out / run_file(r['label'], r['seed']).name).exists()]
-    stored = {(r['label'], r['seed']) for r in runs} - {(r['label'], r['seed']) for r in todo}
+    path = lambda r: out / run_file(r['label'], r['seed'], r['phase']).name
+    todo = [dict(r, out_dir=str(out)) for r in runs if not path(r).exists()]
     if a.list:
-        for r in runs: print(('stored ' if (r['label'], r['seed']) in stored else 'todo   ') + f"{r['label']} seed {r['seed']}")
+        for r in runs: print(('stored ' if path(r).exists() else 'todo   ') + f"{r['phase']} {r['label']} seed {r['seed']}")
         return
     print(f"{len(runs) - len(todo)} of {len(runs)} runs stored; running {len(todo)}", flush=True)
     if todo:
@@ -327,14 +347,15 @@ EARLY = (0, 1024)      # the first kilobyte: little to remember yet
 
 class MemStudyResults:
     "The stored runs with the summaries the chapter prints: bits per byte by setting and by offset, costs, verdicts."
-    def __init__(self, runs:list):
-        self.all = [r for r in runs if 'error' not in r]
+    def __init__(self, runs:list, phase:Optional[str]=None):   # phase: only that budget's runs (None: every run given)
+        self.phase = phase
+        self.all = [r for r in runs if 'error' not in r and (phase is None or r.get('phase') == phase)]
         order = list(settings())
         found = {r['label'] for r in self.all}
         self.labels = [l for l in order if l in found] + sorted(found - set(order))
 
     @classmethod
-    def load(cls, path=None): return cls(load_results(path))
+    def load(cls, path=None, phase:Optional[str]=None): return cls(load_results(path), phase)
 
     def runs(self, label): return sorted((r for r in self.all if r['label'] == label), key=lambda r: r['seed'])
     def seeds(self, label): return [r['seed'] for r in self.runs(label)]
