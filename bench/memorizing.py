@@ -33,18 +33,21 @@ def search_table(reps=5, capacities=(65536,)):
                        configs, baseline='matmul', backward=False, reps=reps,
                        title='Exact top-32 search vs the bare score matmul (batch 1, 8 heads, 512 queries, head_dim 64)')
 
-def make_train_step(knn, capacity=65536, batch=1, n=512, d_model=256, heads=4, layers=4, n_vocab=256, top_k=32, seed=0):
-    """One training step (forward, backward, AdamW) of a DecoderLM('xl', mem_len=n) over a segment of n tokens; with `knn`,
+def make_train_step(knn, capacity=65536, batch=1, n=512, d_model=256, heads=4, layers=4, n_vocab=256, top_k=32, seed=0,
+                    position='xl', mem_len=None):
+    """One training step (forward, backward, AdamW) of a DecoderLM(position, mem_len=n unless given) over a segment of n tokens; with `knn`,
     its middle layer is a kNN layer whose memory is full (`capacity` entries per batch element and head) before timing;
     `knn='search'`: that layer's `KNNMemory.search` alone, for one segment's queries; `knn='faiss'`: the kNN layer with
-    `knn_memory=FaissKNNMemory` (`FAISS_KWARGS`), its indexes trained on the full memory by the warm-up step."""
+    `knn_memory=FaissKNNMemory` (its defaults: nlist about sqrt(capacity), nprobe an eighth of nlist), its indexes trained
+    on the full memory by the warm-up step."""
     from relpos.models import DecoderLM
     torch.manual_seed(seed)
     extra = dict(memorizing_layers=(layers // 2,), knn_capacity=capacity, top_k=top_k) if knn else {}
-    if knn == 'faiss':   # the approximate backend, FaissKNNMemory's defaults: nlist = sqrt(capacity), nprobe 32
+    if knn == 'faiss':   # the approximate backend with its defaults
         from relpos.memorizing import FaissKNNMemory
-        extra.update(knn_memory=FaissKNNMemory, knn_memory_kwargs=FAISS_KWARGS)
-    lm = DecoderLM(n_vocab, d_model, heads, layers, position='xl', mem_len=n, max_len=n, **extra)
+        extra.update(knn_memory=FaissKNNMemory)
+    lm = DecoderLM(n_vocab, d_model, heads, layers, position=position, mem_len=n if mem_len is None else mem_len,
+                   max_len=n, **extra)
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     tokens = torch.randint(0, n_vocab, (batch, n))
     state = dict(memory=None)
@@ -64,15 +67,13 @@ def make_train_step(knn, capacity=65536, batch=1, n=512, d_model=256, heads=4, l
         return lambda: lm.memorizing[0].memory.search(q, top_k)
     return step
 
-FAISS_KWARGS = dict(nlist=256, nprobe=32)   # sqrt(65,536) cells, 1/8 of the memory scanned per query
-
 TRAIN_CONFIGS = (dict(capacity=65536, batch=1, n=512, d_model=256, heads=4, layers=4),   # DecoderLM's default sizes
                  dict(capacity=65536, batch=1, n=512, d_model=512, heads=8, layers=8))   # twice as wide, twice as deep
 
 # Memory of 64x the segment (the issue's cost target: <= 2x the step without memory with faiss, <= 3x exact): the
 # defaults' sizes on a 512-token segment, and the sizes of the long-document study (bench/memorizing_study.py)
 TRAIN_CONFIGS_64X = (dict(capacity=64 * 512, batch=1, n=512, d_model=256, heads=4, layers=4),
-                     dict(capacity=64 * 128, batch=8, n=128, d_model=96, heads=4, layers=4))
+                     dict(capacity=64 * 128, batch=8, n=128, d_model=128, heads=4, layers=4, position='xl_paper', mem_len=0))
 
 def train_step_table(reps=5, configs=TRAIN_CONFIGS):
     "Markdown table (bench_table's columns): median time of a training step with and without one kNN layer, repeats interleaved."
@@ -96,8 +97,8 @@ def train_step_table(reps=5, configs=TRAIN_CONFIGS):
     # peaks in a fresh process per case)
     head = "| config | case | time (ms) | time / DecoderLM |\n|---|---|---|---|"
     note = (f"torch {torch.__version__}, cpu, {torch.get_num_threads()} threads; forward+backward+AdamW step, "
-            f"median of {reps} interleaved runs; position 'xl', mem_len = n, kNN layer in the middle, top-32; "
-            f"faiss: FaissKNNMemory {' '.join(f'{k}={v}' for k, v in FAISS_KWARGS.items())}")
+            f"median of {reps} interleaved runs; position 'xl' and mem_len = n unless the config says otherwise, kNN layer "
+            f"in the middle, top-32; faiss: FaissKNNMemory's defaults (nlist about sqrt(capacity), nprobe nlist / 8)")
     return "\n".join(["**DecoderLM training step with one kNN layer (memory full) vs without**", "", head, *rows, "", note])
 
 def main(reps=5, capacities=(65536,), tables=('search', 'train', 'train64')):

@@ -263,10 +263,8 @@ PHASES = {
     'long': dict(steps=1200, batch=8, seq=SEQ, d_model=128, heads=4, n_layers=N_LAYERS, position='xl_paper', lr=2e-3,
                  warmup=60, eval_docs=12, eval_bytes=16384),
 }
-COMMON = PHASES['short']
-
 def settings() -> dict:
-    "label -> the keyword arguments that make the setting (on top of `COMMON`)."
+    "label -> the keyword arguments that make the setting (on top of a phase's sizes, `PHASES`)."
     knn = lambda mult, **kw: dict(knn_mult=mult, knn_layer=MELIAD_LAYER, top_k=32, **kw)
     return {
         'none': dict(),
@@ -400,6 +398,11 @@ class MemStudyResults:
         med = lambda l: statistics.median(r[key] for r in self.runs(l))
         return med(label) / med(base)
 
+    def memory_weight(self, label) -> float:
+        "Mean over seeds and heads of the weight the trained gate gives the retrieved pairs, 1 - sigmoid(b_h); NaN if not recorded."
+        w = [1 - g for r in self.runs(label) for layer in r.get('gate_local', []) for g in layer]
+        return statistics.mean(w) if w else math.nan
+
     def curve(self, label, min_bytes:int=256):
         "(bucket (start, end), mean bits per byte over seeds) for the buckets that score at least `min_bytes` bytes."
         runs = self.runs(label); edges = runs[0]['eval']['buckets']
@@ -413,8 +416,10 @@ class MemStudyResults:
     def table(self) -> str:
         "Markdown: every setting's bits per byte (all scored bytes, the first KB, 8-16 KB), its gain over no memory late in documents, and its cost."
         fmt = lambda m, s: f'{m:.3f}' + ('' if math.isnan(s) else f' ± {s:.3f}')
+        gates = any(r.get('gate_local') for r in self.all)   # recorded by runs of the current harness
         head = ('| setting | seeds | bpb, all | bpb, bytes 0–1 KB | bpb, bytes 8–16 KB | Δ vs none, 8–16 KB | '
-                'late Δ − early Δ | CPU per step vs none | wall per step vs none |\n|---|---|---|---|---|---|---|---|---|')
+                'late Δ − early Δ | CPU per step vs none | wall per step vs none |' + (' weight on memory |' if gates else '')
+                + '\n|---|---|---|---|---|---|---|---|---|' + ('---|' if gates else ''))
         rows = []
         for l in self.labels:
             m, s, n = self.bpb(l); e, es, _ = self.bpb(l, *EARLY); t, ts, _ = self.bpb(l, *LATE)
@@ -423,7 +428,8 @@ class MemStudyResults:
             w, wsure = self.growth(l)
             ws = '' if l == 'none' else f"{w:+.3f}" + (' (both seeds)' if wsure else '')
             rows.append(f"| `{l}` | {n} | {fmt(m, s)} | {fmt(e, es)} | {fmt(t, ts)} | {gs} | {ws} | "
-                        f"{self.cost(l):.2f}× | {self.cost(l, 'step_time'):.2f}× |")
+                        f"{self.cost(l):.2f}× | {self.cost(l, 'step_time'):.2f}× |"
+                        + (f" {'' if math.isnan(self.memory_weight(l)) else f'{self.memory_weight(l):.2f}'} |" if gates else ''))
         return head + '\n' + '\n'.join(rows)
 
     def compare(self, label, base, lo=LATE[0], hi=LATE[1]) -> str:

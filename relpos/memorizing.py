@@ -151,6 +151,15 @@ class KNNMemory(nn.Module):
         with torch.no_grad():
             self.size.zero_(); self.next_slot.zero_()
 
+    def _counters(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        "A copy of (size, next_slot): with the buffers unchanged, all that a `reset` alters."
+        return self.size.clone(), self.next_slot.clone()
+
+    def _restore_counters(self, counters:Tuple[torch.Tensor, torch.Tensor]) -> None:
+        "Undo the resets made since `_counters` (no `add` may have happened since: the buffers are not restored)."
+        with torch.no_grad():
+            self.size.copy_(counters[0]); self.next_slot.copy_(counters[1])
+
     def search(self,
                queries:torch.Tensor, # `[batch, heads, n_q, head_dim]`
                top_k:int,            # neighbours per query
@@ -406,8 +415,11 @@ class MemorizingAttention(nn.Module):
         mixed = self.gate(x_local.transpose(0, 1).reshape(batch, n_q, self.d_model),
                           x_knn.transpose(1, 2).reshape(batch, n_q, self.d_model).to(x_local.dtype))
         out = local.output(mixed.transpose(0, 1))
-        # memory update after retrieval: a token never retrieves itself
-        memory.add(new_k, new_v)
+        # memory update after retrieval: a token never retrieves itself. Inside a DecoderLM the pairs wait until every
+        # layer has run (`pending`), so a later layer refusing the segment leaves this memory as it was.
+        pending = getattr(self, "pending", None)
+        if pending is None: memory.add(new_k, new_v)
+        else: pending.append((memory, new_k, new_v))
         return out
 
 # %% ../nbs/10_memorizing.ipynb #c034
@@ -473,6 +485,13 @@ class FaissKNNMemory(KNNMemory):
         super().clear()
         for index in self._indexes:
             if index is not None: index.reset()
+
+    def _restore_counters(self, counters):
+        # a row reset since emptied its indexes: they are rebuilt from the (unchanged) buffers on the next search
+        changed = ((self.size != counters[0]) | (self.next_slot != counters[1])).nonzero().flatten().tolist()
+        super()._restore_counters(counters)
+        for b in changed:
+            for h in range(self.heads): self._indexes[b * self.heads + h] = None
 
     def _apply(self, fn, *args, **kwargs):
         # faiss-cpu searches float32 on the CPU: refuse .double(), .half(), .cuda() before anything moves

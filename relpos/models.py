@@ -504,15 +504,28 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
     # kNN layers empty the memories of these rows themselves, after checking what they will store
     knn = {} if drop is None else dict(start_of_document=drop)
     new_memory = []
-    for i, layer in enumerate(self.layers):
-        mem = memory[i] if memory else None
-        if keep != 0:  # SG(h^{n-1}): this call's layer inputs, detached, join the next call's memory
-            if mem is None: h = x.detach() if keep is None else x[:, -keep:].detach()
-            elif keep is None: h = torch.cat((mem, x.detach()), dim=1)
-            elif keep <= n: h = x[:, n - keep:].detach()
-            else: h = torch.cat((mem[:, max(0, mem.shape[1] - (keep - n)):], x.detach()), dim=1)
-            new_memory.append(h)
-        x = layer(x, mem, mask, **(knn if i in self.memorizing_layers else {}), **({} if i in self.nope_layers else ids))
+    # Each kNN layer holds the pairs it would store until every layer has run, and its resets are undone if one
+    # fails: a segment refused by a later kNN layer (NaN keys) leaves every kNN memory as it was.
+    held = [(a, a.memory, None if a.memory is None else a.memory._counters()) for a in self.memorizing]
+    for a in self.memorizing: a.pending = []
+    try:
+        for i, layer in enumerate(self.layers):
+            mem = memory[i] if memory else None
+            if keep != 0:  # SG(h^{n-1}): this call's layer inputs, detached, join the next call's memory
+                if mem is None: h = x.detach() if keep is None else x[:, -keep:].detach()
+                elif keep is None: h = torch.cat((mem, x.detach()), dim=1)
+                elif keep <= n: h = x[:, n - keep:].detach()
+                else: h = torch.cat((mem[:, max(0, mem.shape[1] - (keep - n)):], x.detach()), dim=1)
+                new_memory.append(h)
+            x = layer(x, mem, mask, **(knn if i in self.memorizing_layers else {}), **({} if i in self.nope_layers else ids))
+    except BaseException:
+        for a, memory_before, counters in held:
+            a.pending = None
+            if counters is not None and a.memory is memory_before: memory_before._restore_counters(counters)
+        raise
+    for a in self.memorizing:   # every layer accepted its segment: store them all (checked, so this cannot fail)
+        writes, a.pending = a.pending, None
+        for knn_memory, keys, values in writes: knn_memory.add(keys, values)
     return self.generator(self.norm(x)), new_memory
 
 # %% ../nbs/09_models.ipynb #e139980d

@@ -580,3 +580,54 @@ def test_knn_memory_argument_refused():
     lm = knn_lm(knn_memory_kwargs=dict(chunk_size=5))        # the exact memory's own options go through too
     fill(lm)
     assert lm.memorizing[0].memory.chunk_size == 5
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs=st.integers(1, 4096), n_q=st.integers(1, 1 << 16), filled=st.integers(1, 1 << 22),
+       top_k=st.integers(1, 512), chunk=st.one_of(st.none(), st.integers(1, 1 << 20)))
+def test_search_blocks_are_bounded_and_prefer_whole_memories(pairs, n_q, filled, top_k, chunk):
+    "Scores held at once stay within SEARCH_BLOCK (or one minimal chunk of one memory); a memory that fits is never cut."
+    import relpos.memorizing as mz
+    c, group = mz._search_blocks(pairs, n_q, filled, top_k, chunk)
+    assert 1 <= c <= filled and 1 <= group <= pairs
+    held = group * n_q * c
+    assert held <= max(mz.SEARCH_BLOCK, n_q * min(filled, chunk or max(32 * top_k, 1024)))
+    if chunk is None and n_q * filled <= mz.SEARCH_BLOCK: assert c == filled   # one topk per row, no merges
+
+
+def test_faiss_nprobe_default_scans_an_eighth_of_the_lists():
+    pytest.importorskip('faiss')
+    from relpos.memorizing import FaissKNNMemory
+    for capacity, nlist, nprobe in ((65536, 256, 32), (8192, 90, 11), (100, 10, 1), (4, 2, 1)):
+        m = FaissKNNMemory(1, 1, 4, capacity)
+        assert (m.nlist, m.nprobe) == (nlist, nprobe), capacity
+    assert FaissKNNMemory(1, 1, 4, 8192, nprobe=5).nprobe == 5
+
+
+@pytest.mark.parametrize('backend', ['exact', 'faiss'])
+def test_decoder_later_knn_layer_refusing_leaves_every_memory(backend):
+    "Two kNN layers, NaN appearing between them: the later one refuses, and the earlier one's memory (resets included) is unchanged."
+    kw = dict(n_layers=3, memorizing_layers=(0, 2))
+    if backend == 'faiss':
+        pytest.importorskip('faiss')
+        from relpos.memorizing import FaissKNNMemory
+        kw.update(knn_memory=FaissKNNMemory, knn_memory_kwargs=dict(nlist=2, nprobe=2, train_size=8))   # exhaustive
+    lm, ref = knn_lm(**kw), knn_lm(**kw)
+    memory, ref_memory = fill(lm), fill(ref)
+    before = copy.deepcopy(lm.knn_memory_state_dict())
+    saved = copy.deepcopy(lm.layers[1].feed_forward.state_dict())
+    with torch.no_grad():   # layer 1 turns every hidden state NaN: layer 0 stores finite pairs, layer 2 refuses
+        for p in lm.layers[1].feed_forward.parameters(): p.fill_(float('nan'))
+    x = torch.randint(0, V, (3, 8))
+    for doc_start in (None, torch.tensor([True, False, True])):
+        with pytest.raises(ValueError, match=r'MemorizingAttention: keys hold NaN or inf'):
+            lm(x, memory, doc_start=doc_start)
+        after = lm.knn_memory_state_dict()
+        assert all(torch.equal(after[i][k], before[i][k]) for i in before for k in before[i]), doc_start
+    lm.layers[1].feed_forward.load_state_dict(saved)
+    # the same next segments give the same logits as a model that never saw the refused calls
+    for c in range(2):
+        y = torch.randint(0, V, (3, 8), generator=torch.Generator().manual_seed(10 + c))
+        start = torch.tensor([c == 1, False, False])
+        (a, memory), (b, ref_memory) = lm(y, memory, doc_start=start), ref(y, ref_memory, doc_start=start)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

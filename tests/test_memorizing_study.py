@@ -1,7 +1,7 @@
 """The Memorizing Transformer study on long documents (bench/memorizing_study.py) and what it relies on:
 `doc_start` drops a row's Transformer-XL memory as well as its kNN memory; memories never cross documents;
 the no-memory score is the ordinary model's; the corpus, its split and its checksums are deterministic."""
-import copy, hashlib, math
+import copy, hashlib, json, math
 import pytest
 import torch
 import torch.nn.functional as F
@@ -253,3 +253,28 @@ def test_more_memory_claim_is_mixed_when_size_steps_disagree():
     claims = {c: v for c, v, _ in S.MemStudyResults(runs).paper_ordering()}
     assert claims['more memory lowers it more (1× → 4× → 16× → 64× the segment)'] == 'mixed'
     assert claims['a kNN memory lowers bits per byte'] == 'worse'
+
+
+def test_phases_have_their_own_files_and_readers():
+    "Each budget's runs are stored under their phase and read back only by that phase's reader."
+    assert S.run_file('knn 16x + xl', 1, 'long').name == 'long__knn_16x_plus_xl__seed1.json'
+    assert S.run_file('none', 0, 'short').name != S.run_file('none', 0, 'long').name
+    for phase, cfg in S.PHASES.items():
+        runs = S.all_runs((0, 1), phase)
+        assert len(runs) == 2 * len(S.settings()) and {r['phase'] for r in runs} == {phase}
+        assert all(r['steps'] == cfg['steps'] and r['d_model'] == cfg['d_model'] for r in runs)
+    runs = [dict(_fake_run('none', 0, 2.0), phase='short'), dict(_fake_run('none', 0, 1.5), phase='long'),
+            dict(_fake_run('knn 16x', 0, 1.4), phase='long', gate_local=[[0.75, 0.25]])]
+    long, short = S.MemStudyResults(runs, 'long'), S.MemStudyResults(runs, 'short')
+    assert long.labels == ['none', 'knn 16x'] and short.labels == ['none']
+    assert math.isclose(long.run_bpb(long.runs('none')[0], *S.LATE), 1.5)
+    assert math.isclose(long.memory_weight('knn 16x'), 0.5) and math.isnan(long.memory_weight('none'))
+    assert 'weight on memory' in long.table() and '| 0.50 |' in long.table() and 'weight on memory' not in short.table()
+
+
+def test_every_stored_run_belongs_to_a_phase_and_its_file():
+    "The stored results: each file is named by its phase, label and seed, with the phase's sizes."
+    for p in sorted(S.RESULTS.glob('*.json')):
+        r = json.loads(p.read_text())
+        assert p.name == S.run_file(r['label'], r['seed'], r['phase']).name
+        assert {k: r['config'][k] for k in S.PHASES[r['phase']]} == S.PHASES[r['phase']]
