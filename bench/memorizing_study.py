@@ -199,10 +199,13 @@ def build_model(seq:int, d_model:int, heads:int, n_layers:int, position:str, mem
                      max_len=seq, **extra)
 
 def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, heads:int, n_layers:int,
-              position:str, lr:float, warmup:int, eval_docs:int, eval_bytes:int, eval_every:int=0, **setting) -> dict:
-    "Train one setting from scratch on the training documents, then evaluate it on the validation documents."
+              position:str, lr:float, warmup:int, eval_docs:int, eval_bytes:int, eval_every:int=0, gate_loss:bool=False,
+              **setting) -> dict:
+    """Train one setting from scratch on the training documents, then evaluate it on the validation documents.
+    `gate_loss`: add the kNN gates' auxiliary loss (`get_loss_component()`, which pushes each gate toward the memory)
+    to the training loss; without it the gates learn from the language-modelling loss alone, as in meliad and the paper."""
     config = dict(steps=steps, batch=batch, seq=seq, d_model=d_model, heads=heads, n_layers=n_layers, position=position,
-                  lr=lr, warmup=warmup, eval_docs=eval_docs, eval_bytes=eval_bytes)
+                  lr=lr, warmup=warmup, eval_docs=eval_docs, eval_bytes=eval_bytes, gate_loss=gate_loss)
     torch.set_num_threads(1)
     corpus = load_corpus(manifest=stored_manifest())
     torch.manual_seed(seed)
@@ -219,7 +222,8 @@ def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, h
         t0, c0 = time.perf_counter(), time.process_time()
         logits, memory = model(x, memory, doc_start=start) if stateful else model(x)
         loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), ignore_index=IGNORE)
-        total = loss + model.get_loss_component() if model.memorizing_layers else loss
+        aux = model.get_loss_component() if model.memorizing_layers else None   # taken every step, added only if asked
+        total = loss + aux if gate_loss and aux is not None else loss
         opt.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -254,17 +258,18 @@ SEQ = 128
 N_LAYERS = 4
 MELIAD_LAYER = 2     # meliad: the 9th of 12 layers (memory_layer_indices=(-4,)), 3/4 of the depth -> layer 2 of 0..3
 OTHER_LAYER = 0      # meliad's literal index -4 in a 4-layer model: the bottom layer
-# Two budgets, every setting at each: 'short' (0.3 M training bytes, a 0.53 M-parameter model) and 'long' (4x the
-# steps, 1.2 M bytes, a wider model: 0.9 M parameters). Memory can only pay once the model has learned to use what
-# it retrieves, so what changes between the two is part of the answer.
+# Two budgets: 'short' (0.3 M training bytes, a 0.53 M-parameter model, the gates' auxiliary loss added to the
+# training loss, as the seed's context-choice module suggests) and 'long' (4x the steps, 1.2 M bytes, a wider model:
+# 0.9 M parameters; the gates learn from the language-modelling loss alone, as in meliad and the paper, and one more
+# setting adds the auxiliary loss back). Memory can only pay once the model has learned to use what it retrieves.
 PHASES = {
     'short': dict(steps=300, batch=8, seq=SEQ, d_model=96, heads=4, n_layers=N_LAYERS, position='xl_paper', lr=2e-3,
-                  warmup=20, eval_docs=12, eval_bytes=16384),
+                  warmup=20, eval_docs=12, eval_bytes=16384, gate_loss=True),
     'long': dict(steps=1200, batch=8, seq=SEQ, d_model=128, heads=4, n_layers=N_LAYERS, position='xl_paper', lr=2e-3,
-                 warmup=60, eval_docs=12, eval_bytes=16384),
+                 warmup=60, eval_docs=12, eval_bytes=16384, gate_loss=False),
 }
-def settings() -> dict:
-    "label -> the keyword arguments that make the setting (on top of a phase's sizes, `PHASES`)."
+def settings(phase:str='long') -> dict:
+    "label -> the keyword arguments that make the setting in `phase` (on top of its sizes, `PHASES`, which they may override)."
     knn = lambda mult, **kw: dict(knn_mult=mult, knn_layer=MELIAD_LAYER, top_k=32, **kw)
     return {
         'none': dict(),
@@ -274,6 +279,8 @@ def settings() -> dict:
         'knn 16x top-128': dict(knn(16), top_k=128),
         f'knn 16x layer {OTHER_LAYER}': dict(knn(16), knn_layer=OTHER_LAYER),
         'knn 64x faiss': knn(64, faiss=True),
+        # where the phase trains the gates without their auxiliary loss: the same 16x memory with it
+        **({} if PHASES[phase]['gate_loss'] else {'knn 16x + gate loss': knn(16, gate_loss=True)}),
     }
 
 def run_file(label:str, seed:int, phase:str='long') -> Path:
@@ -282,7 +289,7 @@ def run_file(label:str, seed:int, phase:str='long') -> Path:
 def all_runs(seeds=(0, 1), phase:str='long', common=None) -> list:
     "Every (setting, seed) of a phase, seeds outermost: a study stopped half-way has every setting at seed 0."
     common = common or PHASES[phase]
-    return [dict(label=l, seed=s, phase=phase, **common, **kw) for s in seeds for l, kw in settings().items()]
+    return [dict(label=l, seed=s, phase=phase, **{**common, **kw}) for s in seeds for l, kw in settings(phase).items()]
 
 def _worker(kw:dict) -> dict:
     out, phase = Path(kw.pop('out_dir')), kw.pop('phase', 'long')
@@ -348,7 +355,7 @@ class MemStudyResults:
     def __init__(self, runs:list, phase:Optional[str]=None):   # phase: only that budget's runs (None: every run given)
         self.phase = phase
         self.all = [r for r in runs if 'error' not in r and (phase is None or r.get('phase') == phase)]
-        order = list(settings())
+        order = list(settings(phase or 'long'))
         found = {r['label'] for r in self.all}
         self.labels = [l for l in order if l in found] + sorted(found - set(order))
 

@@ -261,7 +261,7 @@ def test_phases_have_their_own_files_and_readers():
     assert S.run_file('none', 0, 'short').name != S.run_file('none', 0, 'long').name
     for phase, cfg in S.PHASES.items():
         runs = S.all_runs((0, 1), phase)
-        assert len(runs) == 2 * len(S.settings()) and {r['phase'] for r in runs} == {phase}
+        assert len(runs) == 2 * len(S.settings(phase)) and {r['phase'] for r in runs} == {phase}
         assert all(r['steps'] == cfg['steps'] and r['d_model'] == cfg['d_model'] for r in runs)
     runs = [dict(_fake_run('none', 0, 2.0), phase='short'), dict(_fake_run('none', 0, 1.5), phase='long'),
             dict(_fake_run('knn 16x', 0, 1.4), phase='long', gate_local=[[0.75, 0.25]])]
@@ -278,3 +278,14 @@ def test_every_stored_run_belongs_to_a_phase_and_its_file():
         r = json.loads(p.read_text())
         assert p.name == S.run_file(r['label'], r['seed'], r['phase']).name
         assert {k: r['config'][k] for k in S.PHASES[r['phase']]} == S.PHASES[r['phase']]
+
+
+def test_gate_loss_is_trained_on_only_when_asked(tmp_path):
+    "The gates' auxiliary loss changes training only with gate_loss=True; the run records which."
+    tiny = dict(steps=3, batch=2, seq=16, d_model=16, heads=2, n_layers=2, position='xl_paper', lr=1e-2, warmup=1,
+                eval_docs=1, eval_bytes=32, label='knn 4x', seed=0, knn_mult=4, knn_layer=1, top_k=4)
+    with_loss, without = S.train_run(**tiny, gate_loss=True), S.train_run(**tiny, gate_loss=False)
+    assert with_loss['config']['gate_loss'] and not without['config']['gate_loss']
+    assert with_loss['gate_local'] != without['gate_local'] and len(without['gate_local'][0]) == 2
+    assert without['knn_memory'][0]['kind'] == 'KNNMemory' and without['knn_memory'][0]['capacity'] == 64
+    assert 'knn 16x + gate loss' in S.settings('long') and 'knn 16x + gate loss' not in S.settings('short')
