@@ -283,6 +283,13 @@ def settings(phase:str='long') -> dict:
         **({} if PHASES[phase]['gate_loss'] else {'knn 16x + gate loss': knn(16, gate_loss=True)}),
     }
 
+def initial_gate_local(run:dict) -> list:
+    "The kNN gates' sigmoid(b_h) of a stored run's model before training: the model is rebuilt from its seed and setting, as `train_run` builds it."
+    c = run['config']
+    torch.manual_seed(run['seed'])
+    model = build_model(c['seq'], c['d_model'], c['heads'], c['n_layers'], c['position'], **run['setting'])
+    return [torch.sigmoid(a.gate.bias.detach()).tolist() for a in model.memorizing if hasattr(a.gate, 'bias')]
+
 def run_file(label:str, seed:int, phase:str='long') -> Path:
     return RESULTS / f"{phase}__{label.replace(' ', '_').replace('+', 'plus')}__seed{seed}.json"
 
@@ -405,9 +412,11 @@ class MemStudyResults:
         med = lambda l: statistics.median(r[key] for r in self.runs(l))
         return med(label) / med(base)
 
-    def memory_weight(self, label) -> float:
-        "Mean over seeds and heads of the weight the trained gate gives the retrieved pairs, 1 - sigmoid(b_h); NaN if not recorded."
-        w = [1 - g for r in self.runs(label) for layer in r.get('gate_local', []) for g in layer]
+    def memory_weight(self, label, initial:bool=False) -> float:
+        """Mean over seeds and heads of the weight the trained gate gives the retrieved pairs, 1 - sigmoid(b_h); NaN if not
+        recorded. `initial`: the same at initialisation, for the runs that recorded a trained value (rebuilt from their seed)."""
+        w = [1 - g for r in self.runs(label) if r.get('gate_local')
+             for layer in (initial_gate_local(r) if initial else r['gate_local']) for g in layer]
         return statistics.mean(w) if w else math.nan
 
     def curve(self, label, min_bytes:int=256):
@@ -473,3 +482,27 @@ class MemStudyResults:
                ('memory + XL cache beats the XL cache alone', v('knn 16x + xl', 'xl'), c('knn 16x + xl', 'xl')),
                ('memory + XL cache beats the memory alone', v('knn 16x + xl', 'knn 16x'), c('knn 16x + xl', 'knn 16x'))]
         return out
+
+    def short_answer(self) -> str:
+        "A paragraph for the docs home: what memory did late in the validation documents at this phase's budget, from the runs."
+        if not {'none', 'knn 16x'} <= set(self.labels):
+            return 'The study has not been run yet (`make memorizing-study`).'
+        c = self.config()
+        verdicts = [v for _, v, _ in self.paper_ordering()]
+        mem = [l for l in self.labels if l != 'none']
+        best = min(mem, key=lambda l: self.gain(l, 'none', *LATE)[0])
+        out = (f"On bytes 8–16 KB of the validation documents, after {c['steps']:,} steps ({c['steps'] * c['batch'] * c['seq']:,} "
+               f"training bytes, `d_model` {c['d_model']}, {len(self.seeds('none'))} seeds): "
+               f"{self.compare('knn 16x', 'none')}; {self.compare('xl', 'none')}; "
+               f"{self.compare('knn 16x + xl', 'none')}. The best setting there is `{best}` "
+               f"({self.gain(best, 'none', *LATE)[0]:+.3f} bits per byte against no memory). "
+               f"{sum(v == 'better' for v in verdicts)} of the paper's {len(verdicts)} claims hold at this scale")
+        if {'knn 64x', 'knn 64x faiss'} <= set(self.labels):
+            out += (f"; a memory of 64× the segment costs {self.cost('knn 64x'):.2f}× the CPU time of a step without memory "
+                    f"with exact search, {self.cost('knn 64x faiss'):.2f}× with faiss")
+        return out + '.'
+
+    def config(self) -> dict:
+        "The phase's sizes as the runs recorded them (those of the setting without memory)."
+        return self.runs('none')[0]['config'] if self.runs('none') else {}
+

@@ -289,3 +289,24 @@ def test_gate_loss_is_trained_on_only_when_asked(tmp_path):
     assert with_loss['gate_local'] != without['gate_local'] and len(without['gate_local'][0]) == 2
     assert without['knn_memory'][0]['kind'] == 'KNNMemory' and without['knn_memory'][0]['capacity'] == 64
     assert 'knn 16x + gate loss' in S.settings('long') and 'knn 16x + gate loss' not in S.settings('short')
+
+
+def test_short_answer_is_generated_from_the_runs():
+    cfg = dict(steps=10, batch=2, seq=4, d_model=8)
+    runs = [dict(_fake_run(l, s, v + 0.01 * s, cpu=c), config=cfg)
+            for s in (0, 1) for l, v, c in (('none', 2.0, .1), ('xl', 1.9, .1), ('knn 16x', 2.1, .2), ('knn 16x + xl', 1.8, .3),
+                                            ('knn 64x', 2.0, .3), ('knn 64x faiss', 2.0, .15))]
+    text = S.MemStudyResults(runs).short_answer()
+    assert '10 steps (80 training bytes' in text and '`knn 16x` − `none`: +0.100' in text
+    assert 'best setting there is `knn 16x + xl` (-0.200' in text and '3.00×' in text and '1.50× with faiss' in text
+    assert S.MemStudyResults([]).short_answer().startswith('The study has not been run')
+
+
+def test_initial_gates_are_rebuilt_from_the_run():
+    "With lr 0 nothing moves: the gates a run recorded after training are the ones rebuilt for its initialisation."
+    tiny = dict(steps=2, batch=2, seq=16, d_model=16, heads=2, n_layers=2, position='xl_paper', lr=0.0, warmup=1,
+                eval_docs=1, eval_bytes=32, label='knn 4x', seed=3, knn_mult=4, knn_layer=1, top_k=4)
+    r = S.train_run(**tiny)
+    assert S.initial_gate_local(r) == r['gate_local'] and len(r['gate_local'][0]) == 2
+    R = S.MemStudyResults([dict(r, phase='long')], 'long')
+    assert math.isclose(R.memory_weight('knn 4x', initial=True), R.memory_weight('knn 4x'))
