@@ -498,8 +498,9 @@ class MemStudyResults:
                f"({self.gain(best, 'none', *LATE)[0]:+.3f} bits per byte against no memory). "
                f"{sum(v == 'better' for v in verdicts)} of the paper's {len(verdicts)} claims hold at this scale")
         if {'knn 64x', 'knn 64x faiss'} <= set(self.labels):
-            out += (f"; a memory of 64× the segment costs {self.cost('knn 64x'):.2f}× the CPU time of a step without memory "
-                    f"with exact search, {self.cost('knn 64x faiss'):.2f}× with faiss")
+            out += (f"; in these training runs (one thread each, two sharing the machine) a step with a memory of 64× the "
+                    f"segment took {self.cost('knn 64x'):.2f}× the CPU time of a step without memory with exact search, "
+                    f"{self.cost('knn 64x faiss'):.2f}× with faiss")
         return out + '.'
 
     def config(self) -> dict:

@@ -298,7 +298,7 @@ def test_short_answer_is_generated_from_the_runs():
                                             ('knn 64x', 2.0, .3), ('knn 64x faiss', 2.0, .15))]
     text = S.MemStudyResults(runs).short_answer()
     assert '10 steps (80 training bytes' in text and '`knn 16x` − `none`: +0.100' in text
-    assert 'best setting there is `knn 16x + xl` (-0.200' in text and '3.00×' in text and '1.50× with faiss' in text
+    assert 'best setting there is `knn 16x + xl` (-0.200' in text and 'took 3.00×' in text and '1.50× with faiss' in text
     assert S.MemStudyResults([]).short_answer().startswith('The study has not been run')
 
 
