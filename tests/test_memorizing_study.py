@@ -277,7 +277,9 @@ def test_every_stored_run_belongs_to_a_phase_and_its_file():
     for p in sorted(S.RESULTS.glob('*.json')):
         r = json.loads(p.read_text())
         assert p.name == S.run_file(r['label'], r['seed'], r['phase']).name
-        assert {k: r['config'][k] for k in S.PHASES[r['phase']]} == S.PHASES[r['phase']]
+        cfg, kw = S.PHASES[r['phase']], S.settings(r['phase'])[r['label']]
+        assert {k: r['config'][k] for k in cfg} == {**cfg, **{k: v for k, v in kw.items() if k in cfg}}
+        assert r['setting'] == {k: v for k, v in kw.items() if k not in cfg}
 
 
 def test_gate_loss_is_trained_on_only_when_asked(tmp_path):
