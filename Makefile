@@ -64,9 +64,10 @@ study: env
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.study --phase $(PHASE)
 	$(BIN)/python tools/execute_nb.py $(STUDY_NB) nbs/index.ipynb && $(BIN)/nbdev_clean --fname $(STUDY_NB) && $(BIN)/nbdev_clean --fname nbs/index.ipynb
 
-# The Memorizing Transformer on long documents (bench/memorizing_study.py): every (setting, seed) not yet stored in
-# nbs/data/memorizing_study/ (resumable: rerun to continue), then the chapter that reports it. The 20 runs need about
-# half an hour of CPU time (one thread each, two at a time); on a machine shared with other jobs, several times that.
+# The Memorizing Transformer on long documents (bench/memorizing_study.py): every (phase, setting, seed) not yet stored
+# in nbs/data/memorizing_study/ (resumable: rerun to continue), then the chapter that reports it. Two budgets: 'short'
+# (20 runs, about 21 CPU-minutes of training) and 'long' (22 runs, about 100 CPU-minutes); one thread each, two at a
+# time, so about an hour on two free cores, several times that on a machine shared with other jobs.
 MEMSTUDY_NB := nbs/10_memorizing.ipynb
 memorizing-study: env
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.memorizing_study
