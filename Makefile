@@ -67,7 +67,7 @@ study: env
 # The Memorizing Transformer on long documents (bench/memorizing_study.py): every (phase, setting, seed) not yet stored
 # in nbs/data/memorizing_study/ (resumable: rerun to continue), then the chapter that reports it. Two budgets: 'short'
 # (20 runs, about 21 CPU-minutes of training) and 'long' (22 runs, about 100 CPU-minutes); one thread each, two at a
-# time, so about an hour on two free cores, several times that on a machine shared with other jobs.
+# time: the long budget took about an hour on two otherwise idle cores, several times that on a busy machine.
 MEMSTUDY_NB := nbs/10_memorizing.ipynb
 memorizing-study: env
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.memorizing_study
