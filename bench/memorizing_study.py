@@ -236,7 +236,7 @@ def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, h
     train_seconds, train_cpu = time.time() - t_start, time.process_time() - cpu_start
     # How much each kNN layer's heads weigh local attention against the retrieved pairs after training: sigmoid of
     # the constant gate's per-head bias (1: memory ignored). What the memory backend searched with, as built.
-    gates = [torch.sigmoid(a.gate.bias.detach()).tolist() for a in model.memorizing if hasattr(a.gate, 'bias')]
+    gates = gate_local(model)
     backend = [dict(kind=type(a.memory).__name__, **{k: getattr(a.memory, k) for k in ('capacity', 'nlist', 'nprobe', 'train_size')
                                                       if hasattr(a.memory, k)})
                for a in model.memorizing if a.memory is not None]
@@ -283,12 +283,16 @@ def settings(phase:str='long') -> dict:
         **({} if PHASES[phase]['gate_loss'] else {'knn 16x + gate loss': knn(16, gate_loss=True)}),
     }
 
+def gate_local(model) -> list:
+    "Per kNN layer, each head's sigmoid(b_h): the weight its constant gate gives local attention (1 - it: the retrieved pairs)."
+    return [torch.sigmoid(a.gate.bias.detach()).tolist() for a in model.memorizing if hasattr(a.gate, 'bias')]
+
 def initial_gate_local(run:dict) -> list:
     "The kNN gates' sigmoid(b_h) of a stored run's model before training: the model is rebuilt from its seed and setting, as `train_run` builds it."
     c = run['config']
     torch.manual_seed(run['seed'])
     model = build_model(c['seq'], c['d_model'], c['heads'], c['n_layers'], c['position'], **run['setting'])
-    return [torch.sigmoid(a.gate.bias.detach()).tolist() for a in model.memorizing if hasattr(a.gate, 'bias')]
+    return gate_local(model)
 
 def run_file(label:str, seed:int, phase:str='long') -> Path:
     return RESULTS / f"{phase}__{label.replace(' ', '_').replace('+', 'plus')}__seed{seed}.json"
