@@ -259,7 +259,11 @@ def flex_bias_attention(q:torch.Tensor,        # `[batch, heads, seq_q, d_k]`
         if q.device.type not in _flex_compiled:
             _flex_compiled[q.device.type] = torch.compile(_flex_attention, dynamic=False if q.device.type == 'cpu' else None)
         flex = _flex_compiled[q.device.type]
-    x = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    # one dtype, autocast off: under autocast the compiled kernel would run in float32 (tiles too large for a GPU's shared
+    # memory at head size 64); the inputs are already in autocast's dtype when they come from its projections
+    with torch.autocast(q.device.type, enabled=False):
+        x = flex(q, k.to(q.dtype), v.to(q.dtype), score_mod=score_mod, block_mask=block_mask, scale=scale,
+                 enable_gqa=k.shape[1] != q.shape[1])
     if mask is not None:   # a row whose keys are all hidden: 0, as everywhere in relpos (and never NaN)
         x = x * mask.any(-1)[:, None, :, None].to(x.dtype)
     return x

@@ -346,16 +346,19 @@ def score_mod(self:FireMultiHeadAttention, seq_len_q:int, seq_len_k:int):
     "FlexAttention `score_mod` adding FIRE's bias, the formula evaluated per score inside the kernel (last query on the last key)."
     offset, eps = seq_len_k - seq_len_q, self.positions.eps
     c, _, _, w1, b1, w2, b2 = self.positions.mlp_params()
-    scalars = torch.stack([c, self.positions.threshold])   # captured tensors receive gradients through FlexAttention
+    # Captured tensors receive gradients through FlexAttention, but its backward takes only one indexing of each such
+    # tensor in a `score_mod`: every scalar the formula reads is a tensor of its own (a copy whose gradient flows back)
+    c, threshold = c.reshape(1).clone(), self.positions.threshold.reshape(1).clone()
     width = w1.shape[0]
+    units = [(w1[u].reshape(1).clone(), b1[u].reshape(1).clone(), w2[:, u].clone()) for u in range(width)]
     def score_mod(score, b, h, q_idx, kv_idx):
-        i = (q_idx + offset).to(scalars.dtype)                 # the query's position
-        j = kv_idx.to(scalars.dtype)
-        c, threshold = scalars[0], scalars[1]
-        x = torch.log(torch.abs(c * (i - j)) + 1) / (torch.log(torch.abs(c * torch.maximum(i, threshold)) + 1) + eps)
+        i = (q_idx + offset).to(c.dtype)                       # the query's position
+        j = kv_idx.to(c.dtype)
+        cc = c[0]
+        x = torch.log(torch.abs(cc * (i - j)) + 1) / (torch.log(torch.abs(cc * torch.maximum(i, threshold[0])) + 1) + eps)
         bias = b2[h]
-        for u in range(width):                                 # the MLP, unit by unit: one scalar per score
-            bias = bias + w2[h, u] * torch.relu(w1[u] * x + b1[u])
+        for w1u, b1u, w2u in units:                            # the MLP, unit by unit: one scalar per score
+            bias = bias + w2u[h] * torch.relu(w1u[0] * x + b1u[0])
         return score + bias.to(score.dtype)
     return score_mod
 

@@ -158,7 +158,9 @@ def scores_may_exceed(query:torch.Tensor, # `[..., d_k]` heads
             or torch._C._are_functorch_transforms_active()):
         return False
     with torch.no_grad():   # two row norms and one sync: O(n d), nothing beside the O(n^2 d) attention
-        bound = query.detach().float().norm(dim=-1).amax() * key.detach().float().norm(dim=-1).amax() * abs(scale)
+        # norms accumulated in float32 without a float32 copy of a half-precision query or key
+        norm = lambda x: torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float32).amax()
+        bound = norm(query) * norm(key) * abs(scale)
     return not bool(bound <= (FAST_PATH_MAX_SCORE if limit is None else limit))   # NaN/inf norms: the readable path too
 
 class MultiHeadAttention(nn.Module):
@@ -307,7 +309,7 @@ class MultiHeadAttention(nn.Module):
         # torch 2.13's fused CPU kernel returns 0, not NaN, for a query row holding a NaN/Inf when no
         # mask is given; the readable path gives NaN. Put the NaN back so that it is never hidden (on CPU in
         # eager mode only where a query is not finite: one read of q, and nothing added to the backward).
-        if not _known_finite(q): x = x + q.sum(-1, keepdim=True) * 0
+        if q.device.type == 'cpu' and not _known_finite(q): x = x + q.sum(-1, keepdim=True) * 0
         return x.permute(2, 0, 1, 3)  # [seq_q, batch, heads, d_k]
 
     def attention_fast(self, query, key, value, mask, **position_ids):

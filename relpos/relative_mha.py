@@ -386,11 +386,14 @@ def relative_attention(qu:torch.Tensor,   # `[b, h, n_q, d]` queries plus conten
         # torch.func (grad, vmap, jacrev) cannot run an autograd.Function without setup_context: the same
         # numbers from ordinary ops, with [b, h, n_q, n_k] scores (the readable path's memory, not the blocks')
         return _relative_attention_reference(qu, k, v, qpa, Ra, mask, float(dropout_p), seed, chunk_size, None, batched)
-    return _RelativeAttentionFn.apply(qu.contiguous(), k.contiguous(), v.contiguous(), qpa, Ra, mask,
-                                      float(dropout_p), seed, chunk_size, not needs_grad or (
-                                          recompute if recompute is not None else
-                                          softmax_too_big(qu.shape[0], qu.shape[1], n_q, n_k, qu.element_size())),
-                                      batched)
+    # the blocks run in `dt` as given: autocast (left on, on the caller's thread) would give the softmax float32
+    # weights and the blocks' in-place products mixed dtypes
+    with torch.autocast(qu.device.type, enabled=False):
+        return _RelativeAttentionFn.apply(qu.contiguous(), k.contiguous(), v.contiguous(), qpa, Ra, mask,
+                                          float(dropout_p), seed, chunk_size, not needs_grad or (
+                                              recompute if recompute is not None else
+                                              softmax_too_big(qu.shape[0], qu.shape[1], n_q, n_k, qu.element_size())),
+                                          batched)
 
 # %% ../nbs/02_relative_mha.ipynb #e12a3b31
 class FeedForward(nn.Module):

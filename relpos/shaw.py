@@ -337,7 +337,10 @@ def relation_aware_attention(q:torch.Tensor,    # `[batch, heads, seq_q, head_di
         return _relation_aware_reference(*args)
     if batched is None: batched = q.device.type != 'cpu' or k.shape[2] < PER_HEAD_MIN_KEYS
     # torch.compile traces one graph: the batched layout (no worker threads)
-    return _RelationAwareAttentionFn.apply(*args, batched or torch.compiler.is_compiling())
+    # the chunks run in `q`'s dtype, as given: autocast (left on, on the caller's thread) would give the softmax float32
+    # weights and the chunks' in-place products mixed dtypes
+    with torch.autocast(q.device.type, enabled=False):
+        return _RelationAwareAttentionFn.apply(*args, batched or torch.compiler.is_compiling())
 
 # %% ../nbs/03_shaw.ipynb #2b878c50
 def _fuse_linears(linears) -> nn.Linear:

@@ -142,3 +142,40 @@ def test_cuda_flex_route(name, kind, nq, nk):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert (a.double().cpu() - b).norm() <= 1e-4 * b.norm() + 1e-4, (name, kind, (a.double().cpu() - b).norm().item(), b.norm().item())
+
+
+# ---------------------------------------------------------------- mixed precision and the K/V cache on CUDA
+from relpos.models import DecoderLM, POSITIONS as MODEL_POSITIONS
+from relpos.cache import full_logits
+
+
+@pytest.mark.parametrize('position', POSITIONS)
+def test_cuda_bf16_autocast_close_to_float32(position):
+    "Under bf16 autocast (float32 parameters, as AMP training keeps them) every layer's output and gradients stay within bfloat16 error of float32, the parameters' gradients stay float32, and nothing is NaN."
+    n = 512
+    ref = layer(position, 128, 4, n, 'cuda', torch.float32)
+    x = torch.randn(2, n, 128, device='cuda')
+    mask = causal_mask(n, n, 'cuda')
+    want = step(ref, x, mask)
+    with torch.autocast('cuda', dtype=torch.bfloat16):
+        got = step(ref, x, mask)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all(), position
+        assert (a.float() - b).norm() <= 3e-2 * b.norm() + 1e-3, (position, (a.float() - b).norm().item(), b.norm().item())
+    assert all(p.grad.dtype == torch.float32 for p in ref.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize('position', MODEL_POSITIONS)
+def test_cuda_cache_equals_full_model_float64(position):
+    "`DecoderLM` on CUDA in float64: a prompt in one pass, then one token at a time through a `KVCache` (ring of 6 that wraps), gives the full model's logits with the same window."
+    torch.manual_seed(0)
+    lm = DecoderLM(64, d_model=32, heads=2, n_layers=2, position=position, max_len=64).double().cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lm.parameters(): p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype).cuda())
+    seq = torch.randint(0, 64, (3, 14), generator=g).cuda()
+    with torch.no_grad():
+        want = full_logits(lm, seq, max_cache_len=6)
+        cache = lm.new_cache(3, 6)
+        got = [lm(seq[:, :5], cache=cache)[0]] + [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(5, 14)]
+    assert (torch.cat(got, 1) - want).abs().max().item() <= 1e-9, position

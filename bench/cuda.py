@@ -1,0 +1,134 @@
+"""The GPU tables: every position method's attention layer as `DecoderLM` builds it, and cached decoding against
+transformers' Llama. Run on a machine with CUDA: `python -m bench cuda` (or `tools/cuda_check.sh`). Writes
+nbs/data/layers_cuda.json and nbs/data/decode_cuda.json (each with the device, torch and date), which the chapters read.
+
+- layers: bf16 autocast (float32 parameters, as AMP training keeps them), causal self-attention, batch 4, 8 heads,
+  head size 64, n = 2048 and 8192; forward+backward and forward alone (inference mode), against
+  `scaled_dot_product_attention(is_causal=True)` with the same projections (its flash kernel) in the same run.
+- decode: one Llama of transformers built from a config (random weights, bf16), and the same model converted with
+  `DecoderLM.from_transformers`: greedy tokens/s of `generate` (relpos: its `KVCache`; transformers: dynamic and
+  static cache), batch 1 and 8."""
+import json, os, time
+from pathlib import Path
+import torch
+from relpos.bench import bench_table, parse_tables
+from relpos.models import POSITIONS
+from bench.models import make_layer
+
+DATA = Path(__file__).resolve().parent.parent / 'nbs' / 'data'
+LAYER_CASES = ('sdpa_causal',) + tuple(p for p in POSITIONS if p != 'absolute')   # 'absolute' is 'none' at the layer
+
+
+def make_amp_layer(position, n, batch=4, d_model=512, heads=8, device='cuda', inference=False):
+    "`bench.models.make_layer` (one layer as `DecoderLM` builds it, causal mask) run under bf16 autocast."
+    fn, inputs = make_layer(position, n, batch=batch, d_model=d_model, heads=heads, device=device, inference=inference)
+    def amp(x):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16): return fn(x)
+    return amp, inputs
+
+
+def _factory(position, inference):
+    f = lambda n, **kw: make_amp_layer(position, n, inference=inference, **kw)
+    f.__doc__ = f"make_amp_layer({position!r}, inference={inference})"
+    return f
+
+for _p in LAYER_CASES:
+    globals()[f"make_train_{_p}"] = _factory(_p, False)
+    globals()[f"make_infer_{_p}"] = _factory(_p, True)
+
+
+def _stamp(device) -> dict:
+    name = torch.cuda.get_device_name() if torch.device(device).type == 'cuda' else 'cpu'
+    return dict(device=name, torch=torch.__version__,
+                date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+
+
+def layers(ns=(2048, 8192), reps=10, store=True, device='cuda', modes=('train', 'infer')) -> str:
+    """Training step (`train`) and inference (`infer`) of every method's layer against causal SDPA, bf16 autocast; each
+    table stored in layers_cuda.json as soon as it is measured (a table of another mode already there is kept)."""
+    shape = 'causal self-attention, batch 4, 8 heads, d_model 512 (head 64), bf16 autocast (baseline: SDPA is_causal=True)'
+    what = {'train': 'forward+backward', 'infer': 'inference (forward under torch.inference_mode)'}
+    path = DATA / 'layers_cuda.json'
+    stored = json.loads(path.read_text()).get('by_mode', {}) if store and path.exists() else {}
+    out = []
+    for mode in modes:
+        for n in ns:   # one table per size, stored as soon as it is measured
+            table = bench_table({p: f"bench.cuda:make_{mode}_{p}" for p in LAYER_CASES}, [dict(n=n, device=device)],
+                                baseline='sdpa_causal', reps=reps, backward=mode == 'train',
+                                title=f'One attention layer per method, {what[mode]}: {shape}')
+            out.append(table)
+            stored.setdefault(mode, {})[str(n)] = dict(**_stamp(device), markdown=table, table=parse_tables(table)[0])
+            if store: path.write_text(json.dumps(dict(by_mode=stored), indent=1))
+    return '\n\n'.join(out)
+
+
+def _sync(device):
+    if torch.device(device).type == 'cuda': torch.cuda.synchronize()
+
+
+def _llama(layers=8, hidden=1024, heads=16, kv_heads=4, vocab=32000):
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden), num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def decode(batch_sizes=(1, 8), prompt_len=256, new=256, rounds=3, store=True, device='cuda', llama=None) -> str:
+    "Greedy tokens/s of the same Llama: relpos (`DecoderLM.from_transformers`, `KVCache`) and transformers (dynamic and static cache)."
+    import transformers
+    import relpos.hf  # noqa: F401  (DecoderLM.from_transformers)
+    from relpos.models import DecoderLM
+    hf = _llama(**(llama or {}))
+    lm = DecoderLM.from_transformers(hf).eval()
+    hf, lm = hf.to(device, torch.bfloat16), lm.to(device, torch.bfloat16)
+    runs = {
+        'relpos': lambda p: lm.generate(p, new, temperature=0, use_cache=True),
+        'transformers dynamic cache': lambda p: hf.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new,
+                                                            min_new_tokens=new, do_sample=False, pad_token_id=0),
+        'transformers static cache': lambda p: hf.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=new,
+                                                           min_new_tokens=new, do_sample=False, pad_token_id=0,
+                                                           cache_implementation='static'),
+    }
+    rows = []
+    for b in batch_sizes:
+        prompt = torch.randint(0, hf.config.vocab_size, (b, prompt_len), generator=torch.Generator().manual_seed(b)).to(device)
+        best, outs = {k: float('inf') for k in runs}, {}
+        with torch.no_grad():
+            for name, run in runs.items(): outs[name] = run(prompt)          # warm-up (static cache: allocation)
+            for _ in range(rounds):
+                for name, run in runs.items():                               # interleaved rounds, fastest kept
+                    _sync(device); s = time.perf_counter()
+                    run(prompt); _sync(device)
+                    best[name] = min(best[name], time.perf_counter() - s)
+        same = (outs['relpos'][:, prompt_len:] == outs['transformers dynamic cache'][:, prompt_len:]).float().mean().item()
+        rows.append(dict(batch=b, same_tokens=same, **{f"{k} tok/s": b * new / t for k, t in best.items()}))
+        print(rows[-1], flush=True)
+    cfg = hf.config
+    title = (f"Greedy decoding, tokens/s: a Llama of transformers {transformers.__version__} (random weights from a config: "
+             f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
+             f"{cfg.num_key_value_heads} key/value heads, vocabulary {cfg.vocab_size}), bf16, prompt {prompt_len}, "
+             f"{new} new tokens, fastest of {rounds} interleaved rounds")
+    result = dict(**_stamp(device), title=title, transformers=transformers.__version__, prompt=prompt_len, new=new, rows=rows)
+    if store: (DATA / 'decode_cuda.json').write_text(json.dumps(result, indent=1))
+    return decode_markdown(result)
+
+
+def decode_markdown(result:dict) -> str:
+    "The stored decode result as a Markdown table."
+    names = [k[:-len(' tok/s')] for k in result['rows'][0] if k.endswith(' tok/s')]
+    lines = [f"**{result['title']}**", '', '| batch | ' + ' | '.join(names) + ' | relpos / static | same greedy tokens |',
+             '|---|' + '---|' * (len(names) + 2)]
+    for r in result['rows']:
+        lines.append(f"| {r['batch']} | " + ' | '.join(f"{r[n + ' tok/s']:.0f}" for n in names)
+                     + f" | {r['relpos tok/s'] / r['transformers static cache tok/s']:.2f}× | {r['same_tokens']:.0%} |")
+    return '\n'.join(lines + ['', f"torch {result['torch']}, cuda: {result['device']}, {result['date']}"])
+
+
+def main(parts=None):
+    "The tables named in `parts` or `RELPOS_CUDA_PARTS`, in that order: `train`, `infer` (layers), `decode`; all by default."
+    if not torch.cuda.is_available(): raise RuntimeError("bench.cuda needs a CUDA device")
+    parts = (parts or os.environ.get('RELPOS_CUDA_PARTS') or 'train,decode,infer').split(',')
+    return '\n\n'.join(decode() if part == 'decode' else layers(modes=(part,)) for part in parts)
