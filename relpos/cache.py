@@ -655,7 +655,7 @@ def _cache_positions(self:DecoderLM, cache:KVCache, n:int, attention_mask, posit
 @patch
 def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:bool=False,
                 doc_start:Optional[torch.Tensor]=None) -> torch.Tensor:
-    "The layers over the new tokens with the cache (inputs checked): each layer projects only them and attends over its cache."
+    "The layers over the new tokens with the cache (inputs checked): each layer projects only them and attends over its cache. If anything raises, the cache is put back as it was."
     state, step = cache._state(), None
     try:
         if doc_start is not None: cache.reset(doc_start)
