@@ -6,7 +6,7 @@
 __all__ = ['KVCache', 'CacheStep', 'supports_cache', 'full_logits']
 
 # %% ../nbs/09a_cache.ipynb #e0740206
-import math, weakref
+import copy, hashlib, math, weakref
 from typing import List, Optional, Tuple
 import torch
 from torch import nn
@@ -60,9 +60,9 @@ class KVCache:
         self.next_position = torch.zeros(b, dtype=torch.long, device=self.device) # position id of each row's next token
         self.seen = 0           # tokens written into the stream (every row advances together)
         self.all_valid = True   # no padding and no reset so far: the filled slots need no mask
-        self.tables = [None] * len(attentions)   # per layer: position tables for distances -(L-1) .. 0, with their key
+        self.tables = [None] * len(attentions)   # per layer: what its position term needs that no parameter changes
         self._owner = None if owner is None else weakref.ref(owner)
-        self._attentions = [weakref.ref(a) for a in attentions]
+        self._fingerprint = None  # unpickled: a digest of the parameters of the model it was saved from
 
     @property
     def n_layers(self) -> int: return len(self.keys)
@@ -98,6 +98,53 @@ def clear(self:KVCache):
     self.seen, self.all_valid = 0, True
     self.tables = [None] * self.n_layers
 
+# %% ../nbs/09a_cache.ipynb #b7c1e0a2
+@patch
+def _state(self:KVCache) -> tuple:
+    "What a call may change besides the key/value slots (each write keeps those it overwrites): put back if the call fails."
+    return (self.positions.clone(), self.valid.clone(), self.times.clone(), self.next_position.clone(),
+            self.seen, self.all_valid, list(self.tables))
+
+@patch
+def _restore(self:KVCache, state:tuple, # from `_state`, taken before the call
+             undo:list):                # `(K, V, slots, k, v)` per write of the call: the slots' contents before it
+    "Undo a failed call: the key/value slots it overwrote (newest first), then the position ids, validity, times and counters."
+    for K, V, w, k, v in reversed(undo): _put(K, V, w, k, v)
+    positions, valid, times, self.next_position, self.seen, self.all_valid, self.tables = state
+    self.positions.copy_(positions); self.valid.copy_(valid); self.times.copy_(times)
+
+# %% ../nbs/09a_cache.ipynb #b7c1e0a4
+def _fingerprint(model:nn.Module) -> str:
+    "A digest of the model's class and of its state_dict: every parameter's and persistent buffer's name, shape, dtype and values."
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    for name, t in model.state_dict(keep_vars=False).items():
+        if not isinstance(t, torch.Tensor): continue
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.detach().reshape(-1).cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+@patch
+def __getstate__(self:KVCache) -> dict:
+    "Pickle the buffers without the model (a weak reference cannot be pickled) but with its digest; tables are remade on first use."
+    owner = None if self._owner is None else self._owner()
+    state = dict(self.__dict__, _owner=None, tables=[None] * self.n_layers)
+    if owner is not None: state['_fingerprint'] = _fingerprint(owner)
+    return state
+
+@patch
+def __setstate__(self:KVCache, state:dict): self.__dict__.update(state)
+
+@patch
+def __deepcopy__(self:KVCache, memo:dict) -> KVCache:
+    "Copies of the buffers, belonging to the same model (or to its copy, if this `deepcopy` copied the model already)."
+    new = object.__new__(KVCache)
+    memo[id(self)] = new
+    for k, v in self.__dict__.items():
+        if k != '_owner': new.__dict__[k] = copy.deepcopy(v, memo)
+    owner = None if self._owner is None else self._owner()
+    new._owner = None if owner is None else weakref.ref(memo.get(id(owner), owner))
+    return new
+
 # %% ../nbs/09a_cache.ipynb #23ac9d80
 class CacheStep:
     "What one call of a cached model shares across its layers: where the new tokens go, their position ids, and the mask and distances of the keys they attend to."
@@ -108,7 +155,7 @@ class CacheStep:
         m = min(n, L)                               # the last m new tokens are written
         first = (seen + n - m) % L                  # their first slot
         self.write = slice(first, first + m) if first + m <= L else torch.arange(first, first + m, device=cache.device) % L
-        self.m, self.memo = m, {}
+        self.m, self.memo, self.undo = m, {}, []     # undo: the key/value slots overwritten so far (`_write`)
         if self.mode == 'decode': self._commit_slots()   # the new key is one of the keys it attends to
         self.length = min(seen + n, L) if self.mode == 'decode' else len(cache) + n   # keys attended (decode: filled slots)
 
@@ -129,6 +176,15 @@ class CacheStep:
             self.new_valid.any(1), self.q_pos[:, -1] + 1, c.next_position)
 
     # ---- what the layers read (computed once per step, on first use) ----
+    def tokens_contiguous(self) -> bool:
+        "Whether no row has padding between two of its new tokens: then a token's position id is its index minus one offset per row."
+        if self.new_valid is None: return True
+        if 'contiguous' not in self.memo:
+            v, i = self.new_valid, torch.arange(self.n, device=self.cache.device)
+            first, last = torch.where(v, i, self.n).amin(1), torch.where(v, i, -1).amax(1)
+            self.memo['contiguous'] = bool(((last - first + 1 == v.sum(1)) | ~v.any(1)).all())
+        return self.memo['contiguous']
+
     def key_positions(self) -> torch.Tensor:
         "Position id of every key the new tokens attend to, `[b, keys]` (extend: the cached ones, then the new ones)."
         c = self.cache
@@ -179,7 +235,7 @@ class CacheStep:
 
 # %% ../nbs/09a_cache.ipynb #476fc337
 _CACHE_HOOKS = ('cache_shape', 'cache_project', 'cache_prefill', 'cache_attend', 'cache_position_term', 'cache_tables', 'cache_limit',
-                'cache_prefill_ok')
+                'cache_prefill_ok', 'cache_table_inputs', 'cache_distance_scores', 'cache_exact_len')
 _POSITION_HOOKS = ('forward', 'get_scores', 'position_bias', 'attention_fast', 'attention_reference', 'sdpa', 'rotate',
                    'position_tables', 'content_bias', 'relative_tables')
 
@@ -225,8 +281,18 @@ def cache_prefill(self:MultiHeadAttention, q, k, v, mask:Optional[torch.Tensor])
 
 @patch
 def cache_prefill_ok(self:MultiHeadAttention, step:CacheStep) -> bool:
-    "Whether the prefill may take the layer's fast path, whose positions are the keys' indices (a method whose bias depends on more than their differences says no when padding shifts the ids)."
+    "Whether the prefill may take the layer's fast path, which places tokens by index: here always (no position term); each position method says when."
     return True
+
+@patch
+def cache_table_inputs(self:MultiHeadAttention) -> tuple:
+    "The tensors the layer's `cache_tables` are computed from (none: made once per cache)."
+    return ()
+
+@patch
+def cache_exact_len(self:MultiHeadAttention) -> Optional[int]:
+    "The longest sequence (positions 0 .. n-1) for which cached decoding equals the full model; None: any length."
+    return None
 
 @patch
 def cache_position_term(self:MultiHeadAttention, q, step:CacheStep, layer:int):
@@ -263,12 +329,18 @@ def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]
         if not written: _write(K, V, k, v, step)
     return self.output(out.flatten(2))
 
-def _write(K, V, k, v, step:CacheStep):
-    "Keys and values of the last `step.m` new tokens (`[b, n, kv_heads, d]`) into their slots of `K`, `V` (`[b, kv_heads, L, d]`), in place."
-    m, w = step.m, step.write
-    k, v = k[:, -m:].detach().transpose(1, 2), v[:, -m:].detach().transpose(1, 2)
+def _put(K, V, w, k, v):
+    "`k`, `v` `[b, kv_heads, m, d]` into slots `w` (a slice or an index tensor) of `K`, `V` `[b, kv_heads, L, d]`, in place."
     if isinstance(w, slice): K[:, :, w] = k; V[:, :, w] = v
     else: K.index_copy_(2, w, k); V.index_copy_(2, w, v)
+
+def _write(K, V, k, v, step:CacheStep):
+    "Keys and values of the last `step.m` new tokens (`[b, n, kv_heads, d]`) into their slots, keeping what they overwrite in `step.undo`."
+    m, w = step.m, step.write
+    if step.mode != 'prefill':   # a prefill finds the cache empty: nothing a later call could read to put back
+        old = (K[:, :, w], V[:, :, w]) if isinstance(w, slice) else (K.index_select(2, w), V.index_select(2, w))
+        step.undo.append((K, V, w, old[0].clone(), old[1].clone()))
+    _put(K, V, w, k[:, -m:].detach().transpose(1, 2), v[:, -m:].detach().transpose(1, 2))
 
 def _attended(K, V, k, v, step:CacheStep):
     "The keys and values `[b, kv_heads, keys, d]` a decode or extend step attends to, in `step.mask()`'s order, and whether the new ones are in the cache already."
@@ -284,12 +356,13 @@ def _attended(K, V, k, v, step:CacheStep):
 
 # %% ../nbs/09a_cache.ipynb #38fbb8f3
 def _layer_tables(module, step:CacheStep, layer:int):
-    "The layer's position tables over distances `-(L-1) .. 0` (`module.cache_tables`), made once per cache and again when a parameter changes."
-    c = step.cache
-    key = tuple(p._version for p in module.parameters())
+    "The layer's `cache_tables`: made once per cache, and again when a tensor of `cache_table_inputs` differs from the copy kept with them."
+    c, inputs = step.cache, module.cache_table_inputs()
     held = c.tables[layer]
-    if held is None or held[0] != key:
-        with torch.no_grad(): held = c.tables[layer] = (key, module.cache_tables(c.max_cache_len, c.dtype))
+    if held is None or not all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+                               for a, b in zip(held[0], inputs)):
+        with torch.no_grad():
+            held = c.tables[layer] = (tuple(t.detach().clone() for t in inputs), module.cache_tables(c.max_cache_len, c.dtype))
     return held[1]
 
 def _gather_distance(table:torch.Tensor, step:CacheStep) -> torch.Tensor:
@@ -323,6 +396,14 @@ def cache_prefill(self:RotaryMultiHeadAttention, q, k, v, mask):
     return self.sdpa(ql, kl, vl, mask.permute(1, 2, 0)[..., None]).transpose(0, 1)
 
 @patch
+def cache_exact_len(self:RotaryMultiHeadAttention) -> Optional[int]:
+    "Sequences up to this length decode exactly as the full model runs them: the frequencies of `dynamic` and `longrope` change beyond it (None: never)."
+    kind = self.rope_scaling['rope_type']
+    if kind == 'dynamic': return self.max_position_embeddings
+    if kind == 'longrope': return self.rope_scaling['original_max_position_embeddings']
+    return None
+
+@patch
 def cache_attend(self:RotaryMultiHeadAttention, q, k, v, step, layer):
     "Decode: plain SDPA (queries and cached keys are rotated)."
     return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask(), scale=self.scale,
@@ -332,7 +413,7 @@ def cache_attend(self:RotaryMultiHeadAttention, q, k, v, step, layer):
 # %% ../nbs/09a_cache.ipynb #756da015
 @patch
 def cache_tables(self:ALiBiMultiHeadAttention, L:int, dtype):
-    "`[heads, L]`: $m_h d$ for $d = -(L-1) .. 0$, as `alibi_bias` computes it."
+    "`[heads, L]`: $m_h d$ for $d = -(L-1) .. 0$, as `alibi_bias` computes it (fixed slopes: no parameter)."
     w = self.output.weight
     bd = w.dtype if w.dtype == torch.float64 else torch.float32
     d = torch.arange(-(L - 1), 1, device=w.device).to(bd)
@@ -344,31 +425,46 @@ def cache_position_term(self:ALiBiMultiHeadAttention, q, step, layer):
     return q, _gather_distance(_layer_tables(self, step, layer), step)
 
 @patch
+def cache_prefill_ok(self:ALiBiMultiHeadAttention, step):
+    "The fast path places tokens by index: right unless a row has padding between two of its tokens."
+    return step.tokens_contiguous()
+
+@patch
 def cache_tables(self:T5MultiHeadAttention, L:int, dtype):
-    "`[heads, L]`: the bucket bias of distances $-(L-1) .. 0$ (`T5RelativeBias.distance_bias` of one query after L - 1 keys)."
-    return self.positions.distance_bias(1, L, L - 1)
+    "`[L]`: the bucket of each distance $-(L-1) .. 0$ (no parameter)."
+    return self.positions.bucket(torch.arange(-(L - 1), 1, device=self.positions.relative_attention_bias.weight.device))
 
 @patch
 def cache_position_term(self:T5MultiHeadAttention, q, step, layer):
-    return q, _gather_distance(_layer_tables(self, step, layer), step)
-
-@patch
-def cache_tables(self:FourierMultiHeadAttention, L:int, dtype):
-    "`[heads, L]`: the Fourier bias of distances $-(L-1) .. 0$ (`RelativeFourierPositions.distance_table`)."
-    return self.positions.distance_table(1, L, L - 1)
+    "The current table's rows for the window's buckets, `[heads, L]` (`T5RelativeBias.distance_bias` of one query after L - 1 keys)."
+    return q, _gather_distance(self.positions.relative_attention_bias(_layer_tables(self, step, layer)).t(), step)
 
 @patch
 def cache_position_term(self:FourierMultiHeadAttention, q, step, layer):
-    return q, _gather_distance(_layer_tables(self, step, layer), step)
+    "The Fourier bias of the window's distances from the current rotation matrix (`RelativeFourierPositions.distance_table`)."
+    L = step.cache.max_cache_len
+    return q, _gather_distance(self.positions.distance_table(1, L, L - 1), step)
+
+# the same rule for the other two (a tuple annotation would give nbdev no single class to document it on)
+T5MultiHeadAttention.cache_prefill_ok = FourierMultiHeadAttention.cache_prefill_ok = ALiBiMultiHeadAttention.cache_prefill_ok
 
 # %% ../nbs/09a_cache.ipynb #864b46a5
 @patch
 def cache_limit(self:RelativeMultiHeadAttention): return self.P, 'P'
 
 @patch
-def cache_tables(self:RelativeMultiHeadAttention, L:int, dtype):
-    "`R [heads, L, d_k]`, `S [heads, L]`: labml's rows `P + d` for distances $d = -(L-1) .. 0$ (views of the parameters)."
-    return self.key_pos_embeddings[self.P - L + 1:self.P + 1].transpose(0, 1), self.key_pos_bias[self.P - L + 1:self.P + 1].t()
+def cache_distance_scores(self:RelativeMultiHeadAttention, q, step, layer):
+    "`[b, h, n, L]`: $q_i \\cdot R_d + S_d$ for every distance $d = -(L-1) .. 0$ of the window, from labml's rows `P + d` (views)."
+    L, P = step.cache.max_cache_len, self.P
+    R, S = self.key_pos_embeddings[P - L + 1:P + 1], self.key_pos_bias[P - L + 1:P + 1]    # [L, h, d_k], [L, h]
+    b, h, n, d = q.shape
+    # per head, all the batch's queries against the L rows at once: [h, b*n, d] @ [h, d, L] (a batched matmul of q [b, h, n, d]
+    # with R [h, d, L] would broadcast R to [b, h, d, L], a copy of the table per batch row and step)
+    qr = torch.matmul(q.transpose(0, 1).reshape(h, b * n, d), R.permute(1, 2, 0)).view(h, b, n, L).transpose(0, 1)
+    return qr + S.t()[:, None, :]
+
+@patch
+def cache_table_inputs(self:XLRelativeMultiHeadAttention): return self.pos_linear.weight, self.v
 
 @patch
 def cache_tables(self:XLRelativeMultiHeadAttention, L:int, dtype):
@@ -379,14 +475,17 @@ def cache_tables(self:XLRelativeMultiHeadAttention, L:int, dtype):
     return r.transpose(0, 1), (r * self.v).sum(-1).t()
 
 @patch
-def cache_position_term(self:RelativeMultiHeadAttention, q, step, layer):
-    "Transformer-XL: content queries `q + u`; the position term $Q_i \\cdot R_{j-i} + S_{j-i}$ of the new queries' row, scaled."
+def cache_distance_scores(self:XLRelativeMultiHeadAttention, q, step, layer):
+    "`[b, h, n, L]`: $q_i \\cdot W_{k,R} R_{i-j} + v \\cdot W_{k,R} R_{i-j}$ from the projected table (`cache_tables`)."
     R, S = _layer_tables(self, step, layer)                           # [h, L, d_k], [h, L]
     b, h, n, d = q.shape
-    # per head, all the batch's queries against the L rows at once: [h, b*n, d] @ [h, d, L] (a batched matmul of q [b, h, n, d]
-    # with R [h, d, L] would broadcast R to [b, h, d, L], a copy of the table per batch row and step)
-    qr = torch.matmul(q.transpose(0, 1).reshape(h, b * n, d), R.transpose(-1, -2)).view(h, b, n, -1).transpose(0, 1)
-    qr = qr + S[:, None, :]                                           # [b, h, n, L]: every distance the window holds
+    qr = torch.matmul(q.transpose(0, 1).reshape(h, b * n, d), R.transpose(-1, -2)).view(h, b, n, R.shape[1]).transpose(0, 1)
+    return qr + S[:, None, :]
+
+@patch
+def cache_position_term(self:RelativeMultiHeadAttention, q, step, layer):
+    "Transformer-XL: content queries `q + u`; the position term $Q_i \\cdot R_{j-i} + S_{j-i}$ of the new queries' row, scaled."
+    qr = self.cache_distance_scores(q, step, layer)                   # [b, h, n, L]: every distance the window holds
     idx = step.distance_index()
     pos = qr.gather(-1, idx.expand(*qr.shape[:-1], idx.shape[-1]))   # each key's distance
     return q + self.content_bias()[:, None, :], pos * self.scale
@@ -397,9 +496,10 @@ def cache_prefill(self:RelativeMultiHeadAttention, q, k, v, mask):
     self.check_lengths(q.shape[1], k.shape[1])
     return MultiHeadAttention.cache_prefill(self, q, k, v, mask)
 
-# both Transformer-XL forms share the two hooks (a tuple annotation would give nbdev no single class to document them on)
+# both Transformer-XL forms share these hooks (a tuple annotation would give nbdev no single class to document them on)
 XLRelativeMultiHeadAttention.cache_position_term = RelativeMultiHeadAttention.cache_position_term
 XLRelativeMultiHeadAttention.cache_prefill = RelativeMultiHeadAttention.cache_prefill
+RelativeMultiHeadAttention.cache_prefill_ok = XLRelativeMultiHeadAttention.cache_prefill_ok = ALiBiMultiHeadAttention.cache_prefill_ok
 
 # %% ../nbs/09a_cache.ipynb #f9e6e319
 @patch
@@ -427,6 +527,11 @@ def cache_limit(self:RelationAwareMultiHeadAttention): return None
 def cache_project(self:RelationAwareMultiHeadAttention, x, step):
     return tuple(lin(x).unflatten(-1, (self.num_heads, self.head_dim))
                  for lin in (self.query_weights, self.key_weights, self.value_weights))
+
+@patch
+def cache_prefill_ok(self:RelationAwareMultiHeadAttention, step):
+    "The fast path places tokens by index: right unless a row has padding between two of its tokens."
+    return step.tokens_contiguous()
 
 @patch
 def cache_prefill(self:RelationAwareMultiHeadAttention, q, k, v, mask):
@@ -460,7 +565,7 @@ def cached_attention(self:RelationAwareMultiHeadAttention, x, cache, layer, step
     b, n, _ = x.shape
     q, k, v = self.cache_project(x, step)
     K, V = cache.keys[layer], cache.values[layer]
-    if step.mode == 'prefill':
+    if step.mode == 'prefill' and self.cache_prefill_ok(step):
         out = self.cache_prefill(q, k, v, step.prefill_mask())
         _write(K, V, k, v, step)
     else:
@@ -492,7 +597,12 @@ def supports_cache(self:DecoderLM) -> bool:
 def _check_cache(self:DecoderLM, cache, batch:int):
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a relpos.cache.KVCache (from model.new_cache(batch_size, max_cache_len)), got {type(cache).__name__}")
-    if cache._owner is None or cache._owner() is not self:
+    owner = None if cache._owner is None else cache._owner()
+    adopt = owner is None and cache._fingerprint is not None     # unpickled: adopted if this model has the saved parameters
+    if adopt and cache._fingerprint != _fingerprint(self):
+        raise ValueError("cache was pickled from a model with other parameters (or another model): make one with this "
+                         "model's new_cache(batch_size, max_cache_len)")
+    if owner is not self and not adopt:
         raise ValueError("cache was made for another model: make one with this model's new_cache(batch_size, max_cache_len)")
     if cache.batch_size != batch:
         raise ValueError(f"tokens have batch {batch} but the cache holds {cache.batch_size} rows: make a cache with "
@@ -502,6 +612,7 @@ def _check_cache(self:DecoderLM, cache, batch:int):
         raise TypeError(f"cache has dtype {cache.dtype} but the model's parameters have {w.dtype}: make a new cache after converting the model")
     if cache.device != w.device:
         raise ValueError(f"cache is on {cache.device} but the model's parameters are on {w.device}: make a new cache after moving the model")
+    if adopt: cache._owner, cache._fingerprint = weakref.ref(self), None
 
 @patch
 def _cache_positions(self:DecoderLM, cache:KVCache, n:int, attention_mask, position_ids, doc_start):
@@ -542,26 +653,34 @@ def _cache_positions(self:DecoderLM, cache:KVCache, n:int, attention_mask, posit
 
 # %% ../nbs/09a_cache.ipynb #7c5aba0a
 @patch
-def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:bool=False) -> torch.Tensor:
-    "The layers over the new tokens with the cache (inputs checked): each layer projects only them and attends over its cache."
-    step = CacheStep(cache, tokens.shape[1], q_pos, valid)
-    x = self.src_embed(tokens)
-    if self.pos_embed is not None: x = x + self.pos_embed(q_pos)
-    x = self.drop(x)
-    for i, layer in enumerate(self.layers):
-        a = layer.dropout(layer.self_attn.module.cached_attention(layer.norm_self_attn(x), cache, i, step))
-        if getattr(layer, 'parallel_residual', False): x = x + a + layer.dropout(layer.feed_forward(layer.norm_ff(x)))
-        else:
-            x = x + a
-            x = x + layer.dropout(layer.feed_forward(layer.norm_ff(x)))
-    step.commit()
-    if last_only: x = x[:, -1:]
-    return self.generator(self.norm(x))
+def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:bool=False,
+                doc_start:Optional[torch.Tensor]=None) -> torch.Tensor:
+    "The layers over the new tokens with the cache (inputs checked): each layer projects only them and attends over its cache. If anything raises, the cache is put back as it was."
+    state, step = cache._state(), None
+    try:
+        if doc_start is not None: cache.reset(doc_start)
+        step = CacheStep(cache, tokens.shape[1], q_pos, valid)
+        x = self.src_embed(tokens)
+        if self.pos_embed is not None: x = x + self.pos_embed(q_pos)
+        x = self.drop(x)
+        for i, layer in enumerate(self.layers):
+            a = layer.dropout(layer.self_attn.module.cached_attention(layer.norm_self_attn(x), cache, i, step))
+            if getattr(layer, 'parallel_residual', False): x = x + a + layer.dropout(layer.feed_forward(layer.norm_ff(x)))
+            else:
+                x = x + a
+                x = x + layer.dropout(layer.feed_forward(layer.norm_ff(x)))
+        if last_only: x = x[:, -1:]
+        logits = self.generator(self.norm(x))
+        step.commit()
+    except BaseException:   # a layer, a hook, out of memory, Ctrl-C: no half-written step stays in the cache
+        cache._restore(state, [] if step is None else step.undo)
+        raise
+    return logits
 
 @patch
 def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]`: the next n tokens of every row
                    cache:KVCache,                         # from `new_cache`; updated in place
-                   attention_mask:Optional[torch.Tensor]=None, # `[batch, n]`, 0 where a token is padding (left padding of a prompt)
+                   attention_mask:Optional[torch.Tensor]=None, # `[batch, n]`, 0 where a token is padding (it takes no position and is never attended)
                    position_ids:Optional[torch.Tensor]=None,   # `[batch, n]` or `[n]`: must be the positions the cache gives them
                    doc_start:Optional[torch.Tensor]=None,      # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their cache is reset first)
                   ) -> torch.Tensor:                      # logits `[batch, n, n_vocab]`
@@ -578,29 +697,36 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
     if n == 0: return self.generator(self.norm(self.src_embed(tokens)))
     if cache.seen == 0 and self.pos_embed is None:   # a prefill attends over the prompt in one pass: its tables must cover it
         self._check_length(n, 'tokens seq_len (a prompt is attended in one pass)')
-    q_pos, valid = self._cache_positions(cache, n, attention_mask, position_ids, doc_start)
-    if doc_start is not None: cache.reset(doc_start)                  # last: a refused call changes nothing
-    return self._cached_run(tokens, cache, q_pos, valid)
+    q_pos, valid = self._cache_positions(cache, n, attention_mask, position_ids, doc_start)   # a refused call changes nothing
+    return self._cached_run(tokens, cache, q_pos, valid, doc_start=doc_start)
 
 # %% ../nbs/09a_cache.ipynb #4cc228e2
 def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
                 attention_mask:Optional[torch.Tensor]=None,    # `[batch, n]`, 0: padding (never attended; positions count only tokens)
                 max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i
-               ) -> torch.Tensor:                              # logits `[batch, n, n_vocab]`
+               ) -> torch.Tensor:                              # logits `[batch, n, n_vocab]` (NaN at padding)
     "The model over the whole sequence in one pass with the causal, padding and window masks: what cached decoding equals."
-    b, n = tokens.shape
-    dev = tokens.device
-    valid = torch.ones(b, n, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask != 0
-    x = model.src_embed(tokens)
-    if model.pos_embed is not None: x = x + model.pos_embed((valid.cumsum(1) - 1).clamp(min=0))
-    i = torch.arange(n, device=dev)
-    mask = i[None, :] <= i[:, None]
+    n = tokens.shape[1]
+    i = torch.arange(n, device=tokens.device)
+    mask = i[None, :] <= i[:, None]                # [n, n], one mask for all rows: the layers' causal fast paths
     if max_cache_len is not None: mask = mask & (i[None, :] > i[:, None] - max_cache_len)
-    mask = mask[None] & valid[:, None, :]
-    if attention_mask is None: mask = mask[0]      # one mask for all rows: the layers' causal fast paths
+    if attention_mask is not None:
+        # each row's tokens first, in order: a token's index is then its position id, for every method; the masks keep
+        # the tokens' places in the row (the window counts padding, as the ring's slots do)
+        valid = attention_mask != 0
+        order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)   # [b, n]: the place in the row of each token
+        mask = (i[None, :] <= i[:, None]) & valid.gather(1, order)[:, None, :]
+        if max_cache_len is not None: mask = mask & (order[:, None, :] > order[:, :, None] - max_cache_len)
+        mask = mask | torch.eye(n, dtype=torch.bool, device=tokens.device)    # a padding query (moved last) sees itself
+        tokens = tokens.gather(1, order)
+    x = model.src_embed(tokens)
+    if model.pos_embed is not None: x = x + model.pos_embed(i)
     x = model.drop(x)
     for layer in model.layers: x = layer(x, None, mask)
-    return model.generator(model.norm(x))
+    logits = model.generator(model.norm(x))
+    if attention_mask is None: return logits
+    out = torch.empty_like(logits).scatter_(1, order[..., None].expand_as(logits), logits)   # back to their places
+    return out.masked_fill(~valid[..., None], float('nan'))
 
 # %% ../nbs/09a_cache.ipynb #03279950
 @patch

@@ -65,7 +65,6 @@ def test_left_padding_equals_each_row_alone(position, lens, window):
         got = torch.cat(got, 1)
         for r, l in enumerate(lens):
             assert err(got[r], full_logits(lm, rows[r][None, :l + new - 1], max_cache_len=window)[0, l - 1:]) <= TOL
-        if position == 'fire': return   # FIRE's full model places padded rows by index (it takes no position ids)
         # the padded batch through the reference gives the same numbers
         whole = torch.cat([prompt, torch.stack([rows[r][lens[r]:lens[r] + new - 1] for r in range(b)])], 1)
         whole_mask = torch.cat([mask, torch.ones(b, new - 1, dtype=torch.long)], 1)
