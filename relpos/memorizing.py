@@ -179,10 +179,15 @@ class KNNMemory(nn.Module):
                 keys.masked_fill_(~valid[..., None], 0); values.masked_fill_(~valid[..., None], 0)
         return keys, values, valid
 
-    def _top_k_slots(self, queries, top_k):
+    def _top_k_slots(self, queries, top_k,
+                     keys:Optional[torch.Tensor]=None,  # `[b, h, slots, d]`: the first slots of some rows (None: every row's buffers)
+                     size:Optional[torch.Tensor]=None,  # `[b]`: those rows' fill (None: `self.size`)
+                    ):
         "Slot indices `[b, h, n_q, top_k]` of the best keys and their validity, by chunked matmul + `topk`."
         b, h, n_q, d = queries.shape
-        sizes = self.size.tolist()
+        keys = self.keys if keys is None else keys
+        size = self.size if size is None else size
+        sizes = size.tolist()
         filled = max(sizes)                  # slots past the fullest memory hold nothing: never scored
         k = min(top_k, filled)
         index = torch.zeros(b, h, n_q, top_k, dtype=torch.long, device=queries.device)
@@ -190,8 +195,8 @@ class KNNMemory(nn.Module):
         if k == 0 or n_q == 0: return index, valid
         chunk, group = _search_blocks(b * h, n_q, filled, k, self.chunk_size)
         q = queries.reshape(b * h, n_q, d)
-        keys = self.keys.view(b * h, self.capacity, d)
-        size = self.size.repeat_interleave(h).view(b * h, 1, 1)   # fill of each (batch element, head) memory
+        fill = size.repeat_interleave(h).view(b * h, 1, 1)   # fill of each (batch element, head) memory
+        keys = keys.reshape(b * h, keys.shape[2], d)
         out = index.view(b * h, n_q, top_k)
         # One score buffer for every block: a fresh 64 MiB tensor per chunk would cost page faults each time
         buffer = q.new_empty(min(group, b * h) * n_q * min(chunk, filled))
@@ -204,7 +209,7 @@ class KNNMemory(nn.Module):
                 scores = buffer[:(g1 - g0) * n_q * (c1 - c0)].view(g1 - g0, n_q, c1 - c0)
                 torch.matmul(q[g0:g1], keys[g0:g1, c0:c1].transpose(-1, -2), out=scores)
                 if min(sizes) < c1:          # some memory ends inside this chunk: its empty slots never win
-                    empty = torch.arange(c0, c1, device=q.device) >= size[g0:g1]   # [group, 1, c]
+                    empty = torch.arange(c0, c1, device=q.device) >= fill[g0:g1]   # [group, 1, c]
                     scores.masked_fill_(empty, float("-inf"))
                 s, i = scores.topk(min(k, c1 - c0), dim=-1, sorted=False)   # the chunk's best
                 i.add_(c0)
@@ -214,7 +219,7 @@ class KNNMemory(nn.Module):
                 best_s, best_i = s, i
             order = best_s.sort(dim=-1, descending=True, stable=True)[1]   # best first
             out[g0:g1, :, :k] = best_i.gather(-1, order)
-        valid[..., :k] = index[..., :k] < self.size.view(b, 1, 1, 1)   # valid iff filled since the last reset
+        valid[..., :k] = index[..., :k] < size.view(b, 1, 1, 1)   # valid iff filled since the last reset
         return index, valid
 
 # %% ../nbs/10_memorizing.ipynb #c017
@@ -438,7 +443,7 @@ class FaissKNNMemory(KNNMemory):
                  dtype:torch.dtype=torch.float32, device=None,
                  nlist:Optional[int]=None, # inverted lists (clusters) per index; None: about sqrt(capacity), at least 1
                  nprobe:Optional[int]=None, # lists scanned per query, recall against speed; None: an eighth of nlist, at least 1
-                 train_size:Optional[int]=None, # entries needed before an index is trained (None: 39 * nlist); exact search until then
+                 train_size:Optional[int]=None, # entries a row needs before its indexes are trained and searched (None: 39 * nlist); below that, exact search
                  chunk_size:Optional[int]=None, # chunk of the exact search used until then
                 ):
         super().__init__(batch_size, heads, head_dim, capacity, dtype=dtype, device=device, chunk_size=chunk_size)
@@ -475,23 +480,30 @@ class FaissKNNMemory(KNNMemory):
                 if len(overwritten): index.remove_ids(self._faiss.IDSelectorBatch(overwritten))
                 index.add_with_ids(np.ascontiguousarray(new_keys[b, h]), ids)
 
+    def _emptied(self, index):
+        "A new, empty index with the trained cells of `index`, which is left as it was."
+        faiss = self._faiss   # the new index holds its copy of the centroids (faiss keeps the quantizer alive)
+        return faiss.IndexIVFFlat(faiss.clone_index(index.quantizer), self.head_dim, self.nlist, faiss.METRIC_INNER_PRODUCT)
+
     def reset(self, which):
         super().reset(which)
         for b in which.nonzero().flatten().tolist():
             for h in range(self.heads):
-                if self._index(b, h) is not None: self._index(b, h).reset()   # empties it, keeps the trained lists
+                i = b * self.heads + h   # emptied, trained cells kept: the next document needs no k-means
+                if self._indexes[i] is not None: self._indexes[i] = self._emptied(self._indexes[i])
 
     def clear(self):
         super().clear()
-        for index in self._indexes:
-            if index is not None: index.reset()
+        self._indexes = [None if ix is None else self._emptied(ix) for ix in self._indexes]
+
+    def _counters(self):
+        # and the indexes: within a call, resets replace them and searches build new ones, none is changed in place,
+        # so the old list restores the trained state exactly (rebuilding would run k-means on other keys)
+        return (*super()._counters(), list(self._indexes))
 
     def _restore_counters(self, counters):
-        # a row reset since emptied its indexes: they are rebuilt from the (unchanged) buffers on the next search
-        changed = ((self.size != counters[0]) | (self.next_slot != counters[1])).nonzero().flatten().tolist()
         super()._restore_counters(counters)
-        for b in changed:
-            for h in range(self.heads): self._indexes[b * self.heads + h] = None
+        self._indexes = list(counters[2])
 
     def _apply(self, fn, *args, **kwargs):
         # faiss-cpu searches float32 on the CPU: refuse .double(), .half(), .cuda() before anything moves
@@ -529,19 +541,23 @@ class FaissKNNMemory(KNNMemory):
         self._indexes[b * self.heads + h] = index
 
     def _top_k_slots(self, queries, top_k):
+        # Each row on its own: exact search while it holds fewer than train_size entries (cheap, and complete),
+        # its indexes from then on. Whether the other rows are full never changes a row's neighbours.
         sizes = self.size.tolist()
-        for b, n in enumerate(sizes):
-            if n >= self.train_size:
-                for h in range(self.heads):
-                    if self._index(b, h) is None: self._build(b, h)
-        ready = [all(self._index(b, h) is not None for h in range(self.heads)) or n == 0 for b, n in enumerate(sizes)]
-        if not all(ready): return super()._top_k_slots(queries, top_k)   # small memories: exact (and cheap)
+        approx = [b for b, n in enumerate(sizes) if n >= self.train_size]
+        if not approx: return super()._top_k_slots(queries, top_k)
+        for b in approx:
+            for h in range(self.heads):
+                if self._index(b, h) is None: self._build(b, h)
         b_, h_, n_q, _ = queries.shape
         index = torch.zeros(b_, h_, n_q, top_k, dtype=torch.long)
         valid = torch.zeros(b_, h_, n_q, top_k, dtype=torch.bool)
+        exact = [b for b, n in enumerate(sizes) if 0 < n < self.train_size]
+        if exact:   # those rows alone, their filled slots only
+            rows, filled = torch.tensor(exact), max(sizes[b] for b in exact)
+            index[rows], valid[rows] = super()._top_k_slots(queries[rows], top_k, self.keys[rows, :, :filled], self.size[rows])
         q = queries.float().numpy()
-        for b in range(b_):
-            if sizes[b] == 0: continue
+        for b in approx:
             for h in range(h_):
                 ix = self._index(b, h)
                 ix.nprobe = min(self.nprobe, self.nlist)
