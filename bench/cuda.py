@@ -37,9 +37,17 @@ for _p in LAYER_CASES:
     globals()[f"make_infer_{_p}"] = _factory(_p, True)
 
 
+def _commit() -> str:
+    "The checkout's commit, with '+changes' when its tracked files differ from it (what the numbers were measured on)."
+    import subprocess
+    git = lambda *a: subprocess.run(['git', *a], cwd=DATA.parent.parent, capture_output=True, text=True).stdout.strip()
+    head = git('rev-parse', '--short', 'HEAD') or 'unknown'
+    return head + ('+changes' if git('status', '--porcelain', '--untracked-files=no') else '')
+
+
 def _stamp(device) -> dict:
     name = torch.cuda.get_device_name() if torch.device(device).type == 'cuda' else 'cpu'
-    return dict(device=name, torch=torch.__version__,
+    return dict(device=name, torch=torch.__version__, commit=_commit(),
                 date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
 
 
@@ -103,8 +111,7 @@ def decode(batch_sizes=(1, 8), prompt_len=256, new=256, rounds=3, store=True, de
                     _sync(device); s = time.perf_counter()
                     run(prompt); _sync(device)
                     best[name] = min(best[name], time.perf_counter() - s)
-        same = (outs['relpos'][:, prompt_len:] == outs['transformers dynamic cache'][:, prompt_len:]).float().mean().item()
-        rows.append(dict(batch=b, same_tokens=same, **{f"{k} tok/s": b * new / t for k, t in best.items()}))
+        rows.append(dict(batch=b, **{f"{k} tok/s": b * new / t for k, t in best.items()}))
         print(rows[-1], flush=True)
     cfg = hf.config
     title = (f"Greedy decoding, tokens/s: a Llama of transformers {transformers.__version__} (random weights from a config: "
@@ -119,16 +126,41 @@ def decode(batch_sizes=(1, 8), prompt_len=256, new=256, rounds=3, store=True, de
 def decode_markdown(result:dict) -> str:
     "The stored decode result as a Markdown table."
     names = [k[:-len(' tok/s')] for k in result['rows'][0] if k.endswith(' tok/s')]
-    lines = [f"**{result['title']}**", '', '| batch | ' + ' | '.join(names) + ' | relpos / static | same greedy tokens |',
+    lines = [f"**{result['title']}**", '', '| batch | ' + ' | '.join(names) + ' | relpos / dynamic | relpos / static |',
              '|---|' + '---|' * (len(names) + 2)]
     for r in result['rows']:
         lines.append(f"| {r['batch']} | " + ' | '.join(f"{r[n + ' tok/s']:.0f}" for n in names)
-                     + f" | {r['relpos tok/s'] / r['transformers static cache tok/s']:.2f}× | {r['same_tokens']:.0%} |")
+                     + f" | {r['relpos tok/s'] / r['transformers dynamic cache tok/s']:.2f}×"
+                     + f" | {r['relpos tok/s'] / r['transformers static cache tok/s']:.2f}× |")
     return '\n'.join(lines + ['', f"torch {result['torch']}, cuda: {result['device']}, {result['date']}"])
 
 
+def profile(cases=('sdpa_causal', 'none', 'rotary', 'alibi', 'fire', 'xl', 'shaw'), n=2048, steps=3) -> str:
+    "Where a training step's time goes (torch.profiler, CUDA and CPU): per case the wall time and GPU kernel time per step, and the ops with the most GPU time. For finding the overheads; not stored."
+    from torch.profiler import profile as torch_profile, ProfilerActivity
+    from relpos.bench import _step
+    out = []
+    for case in cases:
+        fn, inputs = make_amp_layer(case, n)
+        for _ in range(3): _step(fn, inputs, True)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            s = time.perf_counter()
+            for _ in range(steps): _step(fn, inputs, True)
+            torch.cuda.synchronize(); wall = (time.perf_counter() - s) / steps
+        events = prof.key_averages()
+        gpu = sum(e.self_device_time_total for e in events) / 1e3 / steps
+        syncs = sum(e.count for e in events if e.key in ('cudaStreamSynchronize', 'cudaDeviceSynchronize', 'aten::item',
+                                                         'aten::_local_scalar_dense')) / steps
+        out.append(f"### {case}, n={n}: wall {wall * 1e3:.2f} ms/step, GPU kernels {gpu:.2f} ms/step, syncs/step {syncs:.0f}")
+        out.append(events.table(sort_by='self_device_time_total', row_limit=12, max_name_column_width=60))
+        print(out[-2], flush=True)
+    return '\n'.join(out)
+
+
 def main(parts=None):
-    "The tables named in `parts` or `RELPOS_CUDA_PARTS`, in that order: `train`, `infer` (layers), `decode`; all by default."
+    "The tables named in `parts` or `RELPOS_CUDA_PARTS`, in that order: `train`, `infer` (layers), `decode`, `profile` (not stored); the first three by default."
     if not torch.cuda.is_available(): raise RuntimeError("bench.cuda needs a CUDA device")
     parts = (parts or os.environ.get('RELPOS_CUDA_PARTS') or 'train,decode,infer').split(',')
-    return '\n\n'.join(decode() if part == 'decode' else layers(modes=(part,)) for part in parts)
+    run = dict(decode=decode, profile=profile)
+    return '\n\n'.join(run[part]() if part in run else layers(modes=(part,)) for part in parts)

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['time_fwd_bwd', 'repo_root', 'load_case', 'peak_memory', 'make_alloc_case', 'bench_table', 'run_bench', 'parse_tables',
-           'stored_tables', 'row', 'plot_ratios']
+           'stored_tables', 'row', 'plot_ratios', 'stored_cuda']
 
 # %% ../nbs/90_bench.ipynb #82af2f05
 import importlib, json, os, statistics, subprocess, sys, time
@@ -252,3 +252,11 @@ def plot_ratios(table:dict,        # a table from `stored_tables`/`parse_tables`
     fig.suptitle(title or table['title'], fontsize=11)
     fig.tight_layout()
     return fig
+
+# %% ../nbs/90_bench.ipynb #199c40be
+def stored_cuda(name:str) -> dict: # 'layers' or 'decode': `nbs/data/<name>_cuda.json`
+    "The GPU measurements `bench/cuda.py` stored (device, torch, date and commit included)."
+    path = repo_root() / 'nbs' / 'data' / f'{name}_cuda.json'
+    if not path.exists():
+        raise FileNotFoundError(f"{path} holds no GPU measurement yet: run `bash tools/cuda_check.sh OUT` on a GPU machine")
+    return json.loads(path.read_text())
