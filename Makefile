@@ -75,7 +75,9 @@ memorizing-study: env
 
 # The oldest torch that settings.ini claims, in a venv of its own (outside `make test`: from PyPI this is a
 # CUDA build of several GB). tools/smoke.py runs every module's fast and readable paths and compares them.
-TORCH_OLDEST ?= torch==2.4.1
+# Why 2.6: SDPA's enable_gqa (grouped-query heads) is 2.5's; FlexAttention's gradients for the tensors a score_mod
+# reads (the T5 and FIRE tables on the CUDA route) are 2.6's. The smoke run is CPU only: it shows the first.
+TORCH_OLDEST ?= torch==2.6.0
 smoke-oldest:
 	test -x .venv-oldest/bin/python || $(PYTHON) -m venv .venv-oldest
 	.venv-oldest/bin/python -m pip install -q "$(TORCH_OLDEST)" numpy "fastcore>=1.5.29,<2"

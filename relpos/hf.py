@@ -25,13 +25,22 @@ def _transformers():
         raise ImportError("relpos.hf converts transformers modules and needs the transformers package: "
                           "pip install transformers (or pip install -e '.[dev]' in a relpos checkout)") from e
 
-def _config_rope(config, head_dim:int):
+def _config_rope(config, head_dim:int,
+                 whole_heads:Optional[str]=None): # LLaMA, which rotates every dimension: the converter's name, for its refusal
     "`(base, rotary_dim, rope_scaling or None, max_position_embeddings)` from a transformers config (v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`)."
     params = dict(getattr(config, 'rope_parameters', None) or getattr(config, 'rope_scaling', None) or {})
     base = params.pop('rope_theta', None) or getattr(config, 'rope_theta', None) or 10000.0
     prf = params.pop('partial_rotary_factor', None)
     if prf is None: prf = getattr(config, 'partial_rotary_factor', None) or getattr(config, 'rotary_pct', None) or 1.0
     kind = params.get('rope_type', params.get('type', 'default'))
+    if whole_heads is not None and prf != 1.0:
+        # transformers' LLaMA rotates whole heads: its default rope ignores the factor; other rope types size their
+        # frequencies by it and then fail in LLaMA's own forward, so there is no behaviour to reproduce
+        if kind != 'default':
+            raise ValueError(f"{whole_heads}: partial_rotary_factor={prf} in rope_parameters with rope_type={kind!r}: "
+                             f"transformers' LLaMA rotates whole heads and its own forward fails on this config; "
+                             f"remove partial_rotary_factor (or set it to 1.0)")
+        prf = 1.0
     if kind in ('yarn', 'longrope', 'llama3') and 'original_max_position_embeddings' not in params:
         params['original_max_position_embeddings'] = getattr(config, 'original_max_position_embeddings', None) or config.max_position_embeddings
     rope = check_rope_scaling(params) if params else None
@@ -56,7 +65,7 @@ def _split_fused(weight, bias, heads:int, d_k:int, d_model:int, layout:str) -> d
 def _llama(m, **kw):
     cfg = m.config
     heads, kv, d_k, d = cfg.num_attention_heads, cfg.num_key_value_heads, m.head_dim, cfg.hidden_size
-    base, rotary_dim, rope, mpe = _config_rope(cfg, d_k)
+    base, rotary_dim, rope, mpe = _config_rope(cfg, d_k, whole_heads='from_transformers')
     has_bias = m.q_proj.bias is not None
     layer = RotaryMultiHeadAttention(heads, d, dropout_prob=float(getattr(cfg, 'attention_dropout', 0.0)), bias=has_bias,
                                      rotary_dim=rotary_dim, base=base, rope_scaling=rope, max_position_embeddings=mpe,
@@ -146,9 +155,10 @@ def _llama_model(model, position=None):
     _check_config(cfg.hidden_act == 'silu', f"hidden_act={cfg.hidden_act!r} (DecoderLM's swiglu is SiLU)", model)
     _check_config(bool(cfg.attention_bias) == bool(getattr(cfg, 'mlp_bias', False)),
                   f"attention_bias={cfg.attention_bias} but mlp_bias={getattr(cfg, 'mlp_bias', False)}", model)
-    base, rotary_dim, rope, mpe = _config_rope(cfg, d_k)
+    base, rotary_dim, rope, mpe = _config_rope(cfg, d_k, whole_heads='DecoderLM.from_transformers')
+    # LLaMA drops its attention weights only: no dropout on the embeddings, the residual branches or the MLP
     kw = dict(d_model=cfg.hidden_size, heads=cfg.num_attention_heads, n_layers=cfg.num_hidden_layers,
-              d_ff=cfg.intermediate_size, dropout=float(cfg.attention_dropout), norm='rms', ffn='swiglu',
+              d_ff=cfg.intermediate_size, dropout=0.0, attention_dropout=float(cfg.attention_dropout), norm='rms', ffn='swiglu',
               bias=bool(cfg.attention_bias), head_bias=False, norm_eps=float(cfg.rms_norm_eps),
               tie_embeddings=bool(cfg.tie_word_embeddings), kv_heads=cfg.num_key_value_heads, head_dim=d_k)
     pos = dict(position='rotary', base=base, rotary_dim=rotary_dim, rope_scaling=rope, max_position_embeddings=mpe)
@@ -170,8 +180,11 @@ def _neox_model(model, position=None):
     _check_config(cfg.hidden_act == 'gelu', f"hidden_act={cfg.hidden_act!r} (DecoderLM's gelu is the exact GELU)", model)
     _check_config(bool(getattr(cfg, 'attention_bias', True)), "attention_bias=False (its feed-forward keeps biases)", model)
     base, rotary_dim, rope, mpe = _config_rope(cfg, d_k)
+    # GPT-NeoX: attention_dropout on the attention weights, hidden_dropout on the embeddings and both residual
+    # branches (emb_dropout, post_attention_dropout, post_mlp_dropout), none inside the MLP
     kw = dict(d_model=cfg.hidden_size, heads=cfg.num_attention_heads, n_layers=cfg.num_hidden_layers,
-              d_ff=cfg.intermediate_size, dropout=float(cfg.attention_dropout), norm='layer', ffn='gelu', bias=True,
+              d_ff=cfg.intermediate_size, dropout=0.0, attention_dropout=float(cfg.attention_dropout),
+              residual_dropout=float(cfg.hidden_dropout), norm='layer', ffn='gelu', bias=True,
               head_bias=False, norm_eps=float(cfg.layer_norm_eps), parallel_residual=bool(cfg.use_parallel_residual),
               tie_embeddings=bool(cfg.tie_word_embeddings))
     pos = dict(position='rotary', base=base, rotary_dim=rotary_dim, rope_scaling=rope, max_position_embeddings=mpe)

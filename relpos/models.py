@@ -153,7 +153,10 @@ def make_ffn(ffn:str, d_model:int, d_ff:int, dropout:float, bias:bool=True) -> n
 
 class DecoderLayer(nn.Module):
     "Pre-norm decoder layer (Transformer-XL's, labml's names): `x + attn(norm([memory, x]))`, then `x + ff(norm(x))` (or both from `x`: `parallel_residual`)."
-    def __init__(self, d_model:int, self_attn:BatchFirstAttention, d_ff:int, dropout:float, *,
+    def __init__(self, d_model:int, self_attn:BatchFirstAttention, d_ff:int,
+                 dropout:float,                  # on each residual branch: what attention and the feed-forward block add to `x`
+                 *,
+                 ffn_dropout:Optional[float]=None, # on the feed-forward block's hidden features; None: `dropout`
                  norm:str='layer',               # 'layer' or 'rms'
                  ffn:str='relu',                 # 'relu', 'gelu' or 'swiglu'
                  bias:bool=True,                 # biases in the feed-forward block
@@ -161,7 +164,7 @@ class DecoderLayer(nn.Module):
                  parallel_residual:bool=False):  # GPT-NeoX / GPT-J: x + attn(norm1(x)) + ff(norm2(x))
         super().__init__()
         self.self_attn, self.parallel_residual = self_attn, parallel_residual
-        self.feed_forward = make_ffn(ffn, d_model, d_ff, dropout, bias)
+        self.feed_forward = make_ffn(ffn, d_model, d_ff, dropout if ffn_dropout is None else ffn_dropout, bias)
         self.norm_self_attn, self.norm_ff = make_norm(norm, d_model, norm_eps), make_norm(norm, d_model, norm_eps)
         self.dropout = nn.Dropout(dropout)
 
@@ -199,9 +202,9 @@ class DecoderLM(nn.Module):
                  heads:int=4,                # attention heads
                  n_layers:int=4,             # decoder layers
                  d_ff:Optional[int]=None,    # hidden features of the feed-forward blocks; None: 4 * d_model
-                 position='xl',              # one of `POSITIONS`, or a builder `(d_model, heads, dropout, max_len, mem_len, **kw) -> BatchFirstAttention`
+                 position='xl',              # one of `POSITIONS`, or a builder `(d_model, heads, dropout, max_len, mem_len, **kw) -> BatchFirstAttention` (its `dropout`: `attention_dropout`)
                  mem_len:int=0,              # hidden states kept per layer for the next call (Transformer-XL memory)
-                 dropout:float=0.0,          # dropout on residual branches, feed-forward and attention weights
+                 dropout:float=0.0,          # every dropout below that is None: attention weights, residual stream, feed-forward
                  max_len:Optional[int]=None, # training length (segment); sizes the tables that need one
                  memorizing_layers=(),       # indices of the layers that also attend over a kNN memory (chapter *Memorizing Transformer*)
                  knn_capacity:int=65536,     # kNN memory entries per (batch element, head) in those layers
@@ -219,6 +222,9 @@ class DecoderLM(nn.Module):
                  tie_embeddings:bool=False,  # the output layer shares the token embedding's weights
                  kv_heads:Optional[int]=None, # key/value heads (grouped-query attention): 'none', 'rotary', 'alibi', 't5'
                  head_dim:Optional[int]=None, # features per head; None: d_model // heads
+                 attention_dropout:Optional[float]=None, # on the attention weights (every layer, kNN layers too); None: `dropout`
+                 residual_dropout:Optional[float]=None,  # on what joins the residual stream: the embeddings and each layer's two branches; None: `dropout`
+                 ffn_dropout:Optional[float]=None,       # on the feed-forward blocks' hidden features; None: `dropout`
                  **position_kwargs):         # passed to the position method's attention module (e.g. `P=`, `k=`, `rope_scaling=`)
         super().__init__()
         if norm not in NORMS: raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -239,8 +245,15 @@ class DecoderLM(nn.Module):
         if d_ff is None: d_ff = 4 * d_model
         _check_int(d_ff, 'd_ff', 1)
         if max_len is not None: _check_int(max_len, 'max_len', 1)
-        if isinstance(dropout, bool) or not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
-            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        drops = dict(dropout=dropout, attention_dropout=attention_dropout, residual_dropout=residual_dropout,
+                     ffn_dropout=ffn_dropout)
+        for name, p in drops.items():
+            if p is None and name != 'dropout': continue   # None: the value of `dropout`
+            if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p < 1.0):
+                none = '' if name == 'dropout' else " or None (dropout's value)"
+                raise ValueError(f"{name} must be a float in [0, 1){none}, got {p!r}")
+        self.attention_dropout, self.residual_dropout, self.ffn_dropout = (
+            float(dropout if p is None else p) for p in (attention_dropout, residual_dropout, ffn_dropout))
         if not (callable(position) or (isinstance(position, str) and position in POSITION_BUILDERS)):
             raise ValueError(f"position must be one of POSITIONS {tuple(POSITION_BUILDERS)} or a callable builder, got {position!r}")
         if position == 'absolute':
@@ -250,13 +263,16 @@ class DecoderLM(nn.Module):
         _check_int(knn_capacity, 'knn_capacity', 1); _check_int(top_k, 'top_k', 1)
         self.memorizing_layers = _check_layers(memorizing_layers, n_layers)
         self.nope_layers = _check_layers(nope_layers, n_layers, 'nope_layers')
+        if position == 'absolute' and self.nope_layers:
+            raise ValueError(f"nope_layers={self.nope_layers}: position='absolute' adds its positions to the embeddings, "
+                             f"not in a layer, so no layer can drop them; for a model without positions use position='none'")
         self.knn_capacity, self.top_k = knn_capacity, top_k
         self.knn_memory, self.knn_memory_kwargs = knn_memory, _check_knn_memory('DecoderLM', knn_memory, knn_memory_kwargs)
         self.n_vocab, self.d_model, self.heads, self.d_ff, self.dropout_p = n_vocab, d_model, heads, d_ff, dropout
         self.position, self.mem_len, self.max_len, self.position_kwargs = position, mem_len, max_len, position_kwargs
         self.src_embed = nn.Embedding(n_vocab, d_model)
         self.pos_embed = nn.Embedding(max_len, d_model) if position == 'absolute' else None
-        self.drop = nn.Dropout(dropout)
+        self.drop = nn.Dropout(self.residual_dropout)   # the embeddings are the residual stream's first term
         self.layers = nn.ModuleList([self.make_layer(i) for i in range(n_layers)])
         self.norm = make_norm(norm, d_model, norm_eps)
         # untied by default: labml_nn's Transformer-XL head, checkpoints load
@@ -288,10 +304,10 @@ class DecoderLM(nn.Module):
         if self.head_dim is not None: kw['head_dim'] = self.head_dim
         if not self.bias: kw['bias'] = False
         if layer in self.nope_layers:
-            attn = LabmlPosition(MultiHeadAttention)(self.d_model, self.heads, self.dropout_p, self.max_len, self.mem_len, **kw)
+            attn = LabmlPosition(MultiHeadAttention)(self.d_model, self.heads, self.attention_dropout, self.max_len, self.mem_len, **kw)
         else:
             build = POSITION_BUILDERS[self.position] if isinstance(self.position, str) else self.position
-            attn = build(self.d_model, self.heads, self.dropout_p, self.max_len, self.mem_len, **{**self.position_kwargs, **kw})
+            attn = build(self.d_model, self.heads, self.attention_dropout, self.max_len, self.mem_len, **{**self.position_kwargs, **kw})
         if not self.bias and isinstance(attn.module, MultiHeadAttention):
             # labml's value and output projections always have a bias: bias=False removes them too (LLaMA has none)
             for lin in (attn.module.value.linear, attn.module.output): lin.register_parameter('bias', None)
@@ -301,8 +317,9 @@ class DecoderLM(nn.Module):
         "Decoder layer `layer` around `make_attention(layer)` (made the local side of a kNN layer if listed in `memorizing_layers`)."
         attn = self.make_attention(layer)
         if layer in self.memorizing_layers: attn = self.make_memorizing(layer, attn)
-        return DecoderLayer(self.d_model, attn, self.d_ff, self.dropout_p, norm=self.norm_kind, ffn=self.ffn_kind,
-                            bias=self.bias, norm_eps=self.norm_eps, parallel_residual=self.parallel_residual)
+        return DecoderLayer(self.d_model, attn, self.d_ff, self.residual_dropout, ffn_dropout=self.ffn_dropout,
+                            norm=self.norm_kind, ffn=self.ffn_kind, bias=self.bias, norm_eps=self.norm_eps,
+                            parallel_residual=self.parallel_residual)
 
 # %% ../nbs/09_models.ipynb #d7b9adb4
 KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire') # positions a kNN layer can take as its local side
@@ -318,7 +335,7 @@ def make_memorizing(self:DecoderLM, layer:int,  # index of the layer
         raise ValueError(f"memorizing_layers: layer {layer}'s attention (position={name!r}, {type(attn.module).__name__}) "
                          f"cannot be the local side of a kNN layer, which needs a relpos.mha.MultiHeadAttention taking keys "
                          f"longer than queries (positions that continue across calls); use one of {KNN_LOCAL_POSITIONS}")
-    knn = MemorizingAttention(self.heads, self.d_model, self.dropout_p, knn_capacity=self.knn_capacity,
+    knn = MemorizingAttention(self.heads, self.d_model, self.attention_dropout, knn_capacity=self.knn_capacity,
                               top_k=self.top_k, local=local, knn_memory=self.knn_memory,
                               knn_memory_kwargs=self.knn_memory_kwargs)
     return SequenceFirstAttention(knn, supports_memory=True, max_keys=attn.max_keys, max_keys_arg=attn.max_keys_arg)
@@ -659,6 +676,15 @@ def _sample(logits, temperature, top_k, generator):
 # DecoderLM's cached decoding (new_cache, forward_cached, generate's K/V cache) is chapter 9a's, relpos.cache,
 # which imports this module: imported last, so that either import order finds DecoderLM defined
 from . import cache as _cache
+
+# %% ../nbs/09_models.ipynb #fromhf02
+@patch(cls_method=True)
+def from_transformers(cls:DecoderLM, model:nn.Module, # LlamaForCausalLM or GPTNeoXForCausalLM
+                      position:Optional[str]=None,     # None: the model's own; or one of `relpos.hf.SWAP_POSITIONS`
+                      **position_kwargs) -> DecoderLM:
+    "A `DecoderLM` with the architecture and weights of a transformers causal LM (`relpos.hf.decoder_from_transformers`)."
+    from relpos.hf import decoder_from_transformers   # at call time: relpos.hf imports this module
+    return decoder_from_transformers(model, position, **position_kwargs)
 
 # %% ../nbs/09_models.ipynb #612e405e
 def labml_xl_state_dict(state_dict:dict, # a labml_nn Transformer-XL `AutoregressiveModel` (or `TransformerXLModel`) state_dict

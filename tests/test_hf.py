@@ -2,6 +2,7 @@
 converted attention modules and whole models (LLaMA with GQA and each rope type, GPT-NeoX with rotary_pct 0.25 and a
 parallel residual): causal, left and right padding, a prefix in Transformer-XL memory then new tokens. Bound 1e-10."""
 import math
+from pathlib import Path
 import pytest
 import torch
 from torch import nn
@@ -149,3 +150,128 @@ def test_position_swap_keeps_the_weights():
     for k, v in t5.state_dict().items():
         if '.positions.' not in k: assert torch.equal(v, sd[k])
     assert isinstance(alibi.layers[0].self_attn.module, ALiBiMultiHeadAttention)
+
+
+# ---------------------------------------------------------------- dropout where the source drops, in training mode
+def llama_dropout(attention_dropout):
+    with float32_as_float64():
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=32, attention_dropout=attention_dropout)
+        cfg._attn_implementation = 'sdpa'
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg).double().train()
+
+
+def neox_dropout(attention_dropout, hidden_dropout, parallel=True):
+    with float32_as_float64():
+        cfg = GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            rotary_pct=0.25, max_position_embeddings=32, use_parallel_residual=parallel,
+                            attention_dropout=attention_dropout, hidden_dropout=hidden_dropout)
+        cfg._attn_implementation = 'sdpa'
+        torch.manual_seed(0)
+        return GPTNeoXForCausalLM(cfg).double().train()
+
+
+DROPOUT_SOURCES = {'llama attn 0.3': lambda: llama_dropout(0.3),
+                   'neox attn 0.1 hidden 0.3': lambda: neox_dropout(0.1, 0.3),
+                   'neox hidden 0.3, sequential': lambda: neox_dropout(0.0, 0.3, parallel=False)}
+
+
+def dropout_places(lm):
+    "{module name: p} of every nn.Dropout with p > 0 in a DecoderLM (an attention module's own is its `.dropout`)."
+    return {name: m.p for name, m in lm.named_modules() if isinstance(m, nn.Dropout) and m.p > 0}
+
+
+def test_llama_drops_attention_weights_only():
+    lm = DecoderLM.from_transformers(llama_dropout(0.3))
+    assert lm.training
+    assert dropout_places(lm) == {f'layers.{i}.self_attn.module.dropout': 0.3 for i in range(2)}
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_gpt_neox_drops_attention_weights_embeddings_and_residual_branches(parallel):
+    lm = DecoderLM.from_transformers(neox_dropout(0.2, 0.3, parallel))
+    want = {'drop': 0.3}   # GPT-NeoX's emb_dropout
+    for i in range(2):     # attention_dropout on the weights; post_attention_dropout, post_mlp_dropout: the branches
+        want.update({f'layers.{i}.self_attn.module.dropout': 0.2, f'layers.{i}.dropout': 0.3})
+    assert dropout_places(lm) == want   # nothing inside the MLP: GPTNeoXMLP has no dropout
+
+
+@pytest.mark.parametrize("source", list(DROPOUT_SOURCES))
+def test_training_mode_logits_vary_as_the_sources(source):
+    "Training mode: the spread of the logits over 100 dropout draws is the source's (within 10%; dropout in other places gives 0 or 2.5x)."
+    model = DROPOUT_SOURCES[source]()
+    lm = DecoderLM.from_transformers(model)
+    assert lm.training and model.training
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    with torch.no_grad(), float32_as_float64():
+        theirs = torch.stack([model(tokens).logits for _ in range(100)]).std(0).mean()
+        ours = torch.stack([lm(tokens)[0] for _ in range(100)]).std(0).mean()
+    assert theirs > 0.01 and 0.9 < ours / theirs < 1.1, (float(ours), float(theirs))
+
+
+@pytest.mark.parametrize("source", list(DROPOUT_SOURCES))
+def test_dropout_config_converts_to_the_same_eval_logits(source):
+    model = DROPOUT_SOURCES[source]().eval()
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert max_err(DecoderLM.from_transformers(model)(tokens)[0], ref_logits(model, tokens)) <= TOL
+
+
+# ---------------------------------------------------------------- LLaMA rotates whole heads
+@pytest.mark.parametrize("where", ['rope_parameters', 'config'])
+def test_llama_default_rope_ignores_partial_rotary_factor_as_transformers(where):
+    "transformers' LLaMA rotates every dimension with the default rope whatever partial_rotary_factor says: so does the conversion."
+    with float32_as_float64():
+        rope = {'rope_type': 'default', 'rope_theta': 500.0}
+        extra = {'rope_parameters': {**rope, 'partial_rotary_factor': 0.5}} if where == 'rope_parameters' else \
+                {'rope_parameters': rope, 'partial_rotary_factor': 0.5}
+        cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=8, max_position_embeddings=16, **extra)
+        cfg._attn_implementation = 'sdpa'
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).double().eval()
+    lm = DecoderLM.from_transformers(model)
+    assert lm.layers[0].self_attn.module.rotary_dim == 8
+    assert from_transformers(model.model.layers[0].self_attn).rotary_dim == 8
+    tokens = torch.randint(0, 64, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert max_err(lm(tokens)[0], ref_logits(model, tokens)) <= TOL
+
+
+@pytest.mark.parametrize("rope", ['linear', 'yarn', 'llama3'])
+def test_llama_partial_rotary_factor_with_scaled_rope_is_refused(rope):
+    "With another rope type transformers' own LLaMA fails on a partial_rotary_factor: the conversion refuses it by name."
+    model = llama_model({**ROPES[rope], 'partial_rotary_factor': 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 in rope_parameters with rope_type"):
+        DecoderLM.from_transformers(model)
+    with pytest.raises(ValueError, match="from_transformers: partial_rotary_factor=0.5"):
+        from_transformers(model.model.layers[0].self_attn)
+
+
+# ---------------------------------------------------------------- DecoderLM's API without importing relpos.hf first
+def test_decoder_lm_methods_exist_once_decoder_lm_is_imported():
+    "A fresh interpreter: `from relpos.models import DecoderLM` and nothing else of relpos, then from_transformers and new_cache."
+    import subprocess, sys, os
+    code = """
+import sys, torch
+from relpos.models import DecoderLM
+assert 'relpos.hf' not in sys.modules
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=16)
+torch.manual_seed(0)
+model = LlamaForCausalLM(cfg).eval()
+lm = DecoderLM.from_transformers(model).eval()
+cache = lm.new_cache(1, 8)
+tokens = torch.randint(0, 32, (1, 5))
+with torch.no_grad():
+    logits, _ = lm(tokens, cache=cache)
+    assert (logits - model(tokens).logits).abs().max() < 1e-4
+print('ok')
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(Path(__file__).parents[1]), os.environ.get('PYTHONPATH')] if p),
+               OMP_NUM_THREADS='1')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith('ok'), out.stderr[-2000:]

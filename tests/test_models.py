@@ -280,6 +280,57 @@ def test_nope_layers_refused(bad, match):
     with pytest.raises((ValueError, TypeError), match=match): small('rotary', n_layers=3, nope_layers=bad)
 
 
+@pytest.mark.parametrize("nope", [(0, 1), (1,)])
+def test_nope_layers_refused_for_absolute(nope):
+    "'absolute' adds its positions to the embeddings: no layer can drop them, so nope_layers is refused (not a pos_embed kept)."
+    with pytest.raises(ValueError, match=r"nope_layers=.*position='absolute' adds its positions to the embeddings.*position='none'"):
+        small('absolute', nope_layers=nope)
+
+
+# ---------------------------------------------------------------- dropout, place by place
+def dropout_places(lm):
+    return {name: m.p for name, m in lm.named_modules() if isinstance(m, torch.nn.Dropout)}
+
+
+@pytest.mark.parametrize("kw", [dict(ffn='swiglu', parallel_residual=True), dict(memorizing_layers=(1,), mem_len=4)])
+def test_dropout_alone_sets_every_place(kw):
+    "dropout= alone: the embeddings, both residual branches, the feed-forward hidden features and the attention weights."
+    places = dropout_places(small('xl', dropout=0.1, **kw))
+    assert len(places) >= 1 + 2 * 3 and set(places.values()) == {0.1}   # embeddings; per layer: attention, residual, feed-forward
+
+
+@pytest.mark.parametrize("position", ['rotary', 'xl', 'alibi'])
+def test_each_dropout_in_its_place(position):
+    lm = small(position, dropout=0.05, attention_dropout=0.2, residual_dropout=0.3, ffn_dropout=0.0, memorizing_layers=(1,))
+    for name, p in dropout_places(lm).items():
+        if name == 'drop' or name.endswith(('layers.0.dropout', 'layers.1.dropout')): want = 0.3      # residual stream
+        elif '.feed_forward.' in name: want = 0.0
+        else: want = 0.2                                           # attention weights, the kNN layer's included
+        assert p == want, (name, p)
+    lm = small(position, dropout=0.1, attention_dropout=0.0)       # the others default to dropout
+    assert {n: p for n, p in dropout_places(lm).items() if '.self_attn.' in n} == {f'layers.{i}.self_attn.module.dropout': 0.0 for i in range(2)}
+    assert lm.drop.p == 0.1 and lm.layers[0].feed_forward.dropout.p == 0.1
+
+
+def test_attention_dropout_only_is_the_only_randomness():
+    "Training mode, attention_dropout only, attention outputs zeroed: nothing else drops, the logits are those of eval mode."
+    lm = randomized(small('rotary', attention_dropout=0.5))
+    with torch.no_grad():
+        for layer in lm.layers: layer.self_attn.module.output.weight.zero_(); layer.self_attn.module.output.bias.zero_()
+    x = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(1))
+    want = lm.eval()(x)[0]
+    lm.train()
+    for _ in range(3): torch.testing.assert_close(lm(x)[0], want, rtol=0, atol=0)
+    lm = randomized(small('rotary', attention_dropout=0.5))
+    assert not torch.equal(lm(x)[0], lm(x)[0])   # with the outputs left as they are, the attention weights do drop
+
+
+@pytest.mark.parametrize("arg", ['dropout', 'attention_dropout', 'residual_dropout', 'ffn_dropout'])
+@pytest.mark.parametrize("bad", [1.0, -0.1, True, '0.1'])
+def test_bad_dropout_refused_by_name(arg, bad):
+    with pytest.raises(ValueError, match=f"{arg} must be a float in \\[0, 1\\)"): small('rotary', **{arg: bad})
+
+
 # ---------------------------------------------------------------- reliability (issue 27)
 def test_generate_restores_every_submodule_mode():
     "A frozen (eval) submodule stays in eval and the rest in train after generate, also when generate raises."

@@ -106,6 +106,12 @@ def check_models():
         logits, _ = m(tokens)
         logits.sum().backward()
 
+def claimed_torch() -> str:
+    "The torch requirement in settings.ini, the version `make smoke-oldest` installs by default."
+    import configparser, os
+    cfg = configparser.ConfigParser(); cfg.read(os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'settings.ini'))
+    return next((r for r in cfg['DEFAULT'].get('requirements', '').split() if r.startswith('torch')), 'torch (no requirement)')
+
 def main():
     cases = [(name, lambda make=make: check_attention(make)) for name, make in attention_modules()]
     # the modules whose fast paths are relpos's own autograd.Functions (plain SDPA's fused CPU kernel has no double backward)
@@ -116,7 +122,7 @@ def main():
               ('relative_mha.TransformerXLModel', check_xl_model)]
     if importlib.util.find_spec('relpos.models'): cases.append(('models.DecoderLM (every position)', check_models))
     failed = 0
-    print(f'torch {torch.__version__}')
+    print(f'torch {torch.__version__} (settings.ini: {claimed_torch()})')
     for name, fn in cases:
         try: fn(); print(f'ok      {name}')
         except Exception:
