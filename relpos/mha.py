@@ -4,13 +4,13 @@
 
 # %% auto #0
 __all__ = ['FAST_PATH_MAX_SCORE', 'GPU_BLOCK_SCORES', 'check_sequence', 'size_or_one', 'PrepareForMultiHeadAttention',
-           'is_causal_mask', 'guard_double_backward', 'expand_kv', 'check_position_ids', 'check_position_order',
-           'scores_may_exceed', 'MultiHeadAttention', 'packed_causal_mask', 'packed_position_ids', 'functorch_active',
-           'differentiable_backward', 'check_chunk_size', 'available_cpus', 'head_workers', 'run_head_groups',
-           'block_key_ranges', 'block_rows']
+           'is_causal_mask', 'remember_causal', 'guard_double_backward', 'expand_kv', 'check_position_ids',
+           'check_position_order', 'scores_may_exceed', 'MultiHeadAttention', 'packed_causal_mask',
+           'packed_position_ids', 'functorch_active', 'differentiable_backward', 'check_chunk_size', 'available_cpus',
+           'head_workers', 'run_head_groups', 'block_key_ranges', 'block_rows']
 
 # %% ../nbs/01_mha.ipynb #ed119fe5
-import math, os
+import math, os, weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, List, Tuple
 import torch
@@ -55,6 +55,15 @@ class PrepareForMultiHeadAttention(nn.Module):
         return self.linear(x).unflatten(-1, (self.heads, self.d_k))
 
 # %% ../nbs/01_mha.ipynb #a3c7c6c8
+# Answers of `is_causal_mask`, by mask: `id` of the tensor a prepared mask is a view of -> (a weak reference to that tensor,
+# its version counter, the view's geometry and the lengths, the answer). Comparing a mask with the causal one costs an
+# [n, n] tensor and, on a GPU, a wait for the device; a model passes the same mask to every layer, step after step.
+_causal_answers = {}
+
+def _mask_key(mask, seq_len_q, seq_len_k):
+    base = mask if mask._base is None else mask._base
+    return base, (base._version, tuple(mask.shape), mask.stride(), mask.storage_offset(), seq_len_q, seq_len_k)
+
 def is_causal_mask(mask:Optional[torch.Tensor], # prepared mask `[seq_q, seq_k, batch or 1, 1]` (`prepare_mask`), or None
                    seq_len_q:int,               # queries
                    seq_len_k:int,               # keys: the last query lines up with the last key
@@ -65,8 +74,23 @@ def is_causal_mask(mask:Optional[torch.Tensor], # prepared mask `[seq_q, seq_k, 
     if (mask is None or seq_len_q == 0 or seq_len_k == 0 or tuple(mask.shape[:2]) != (seq_len_q, seq_len_k)
             or torch.compiler.is_compiling()):
         return False
+    base, key = _mask_key(mask, seq_len_q, seq_len_k)
+    hit = _causal_answers.get(id(base))
+    if hit is not None and hit[0]() is base and hit[1] == key: return hit[2]   # same tensor, unchanged since (in-place writes bump the version)
     causal = torch.ones(seq_len_q, seq_len_k, dtype=torch.bool, device=mask.device).tril(seq_len_k - seq_len_q)
-    return bool(torch.equal(mask, causal[:, :, None, None].expand(mask.shape)))
+    answer = bool(torch.equal(mask, causal[:, :, None, None].expand(mask.shape)))
+    _remember(base, key, answer)
+    return answer
+
+def _remember(base, key, answer):
+    if len(_causal_answers) > 256:   # forget the masks that no longer exist
+        for k in [k for k, v in _causal_answers.items() if v[0]() is None]: del _causal_answers[k]
+    _causal_answers[id(base)] = (weakref.ref(base), key, answer)
+
+def remember_causal(mask:torch.Tensor, # prepared mask `[seq_q, seq_k, batch or 1, 1]` that its caller built causal
+                    seq_len_q:int, seq_len_k:int):
+    "Tell `is_causal_mask` that `mask` is causal, so that it is not compared with the causal mask (e.g. one a layer builds itself)."
+    _remember(*_mask_key(mask, seq_len_q, seq_len_k), True)
 
 # %% ../nbs/01_mha.ipynb #8401ec3b
 def _refuse_graph_through_fused_sdpa(grad):
