@@ -34,13 +34,13 @@ def _check_bias_lengths(heads, seq_len_q, seq_len_k) -> int:
                          f"got seq_len_q={seq_len_q}, seq_len_k={seq_len_k}")
     return heads
 
-# %% ../nbs/07_alibi.ipynb #98f237d1
+# %% ../nbs/07_alibi.ipynb #bad059b0
 def _power_of_2_slopes(n:int) -> List[float]:
-    "$m_h = 2^{-8h/n}$, $h = 1..n$, for `n` a power of 2: the first slope and the ratio are both $2^{-8/n}$."
+    "m_h = 2^(-8h/n), h = 1..n, for `n` a power of 2: the first slope and the ratio are both 2^(-8/n)."
     start = 2 ** (-8 / n)                       # the reference's 2**(-2**-(log2(n) - 3)), the same float
     return [start * start ** i for i in range(n)]
 
-# %% ../nbs/07_alibi.ipynb #0060518c
+# %% ../nbs/07_alibi.ipynb #3e709320
 def alibi_slopes(heads:int,                    # number of attention heads
                  dtype:torch.dtype=torch.float32,
                  device=None,
@@ -52,7 +52,7 @@ def alibi_slopes(heads:int,                    # number of attention heads
     slopes = _power_of_2_slopes(closest) + _power_of_2_slopes(2 * closest)[0::2][:heads - closest]
     return torch.tensor(slopes, dtype=torch.float64, device=device).to(dtype)
 
-# %% ../nbs/07_alibi.ipynb #9b39aa08
+# %% ../nbs/07_alibi.ipynb #273acacd
 def alibi_bias(heads:int,                  # number of heads (slopes from `alibi_slopes`)
                seq_len_q:int,              # queries: query i sits at position i + seq_len_k - seq_len_q
                seq_len_k:int,              # keys: key j sits at position j
@@ -93,7 +93,7 @@ class ALiBiMultiHeadAttention(MultiHeadAttention):
         kv = f", kv_heads={self.kv_heads}" if self.kv_heads != self.heads else ""
         return f"heads={self.heads}{kv}, d_k={self.d_k}, bidirectional={self.bidirectional}"
 
-# %% ../nbs/07_alibi.ipynb #4d6d1294
+# %% ../nbs/07_alibi.ipynb #615aeedb
 @patch
 def position_bias(self:ALiBiMultiHeadAttention, seq_len_q:int, seq_len_k:int, position_ids:Optional[torch.Tensor]=None) -> torch.Tensor:
     "`[1 or batch, heads, seq_q, seq_k]` in the parameters' dtype, added after the `1/sqrt(d_k)` scaling; distances from `position_ids` when given."
@@ -104,7 +104,7 @@ def position_bias(self:ALiBiMultiHeadAttention, seq_len_q:int, seq_len_k:int, po
     dtype = w.dtype if w.dtype == torch.float64 else torch.float32   # SDPA casts it to the inputs' dtype
     return alibi_bias(self.heads, seq_len_q, seq_len_k, self.bidirectional, dtype, w.device, position_ids)
 
-# %% ../nbs/07_alibi.ipynb #cb0dc6f1
+# %% ../nbs/07_alibi.ipynb #69993bb5
 @patch
 def check_inputs(self:ALiBiMultiHeadAttention, query, key, value, mask):
     "The base class's checks; causal ALiBi then adds the causal mask: query i sees keys j <= i + seq_k - seq_q."
@@ -114,7 +114,7 @@ def check_inputs(self:ALiBiMultiHeadAttention, query, key, value, mask):
     causal = torch.ones(sq, sk, dtype=torch.bool, device=self.output.weight.device).tril(sk - sq)[:, :, None, None]
     return causal if mask is None else mask & causal
 
-# %% ../nbs/07_alibi.ipynb #4b80d10b
+# %% ../nbs/07_alibi.ipynb #d9624157
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)
 
 @patch

@@ -56,6 +56,7 @@ def rotary_angles(positions:torch.Tensor,   # `[n]` integer (or float) positions
     inv_freq = rotary_inv_freq(rotary_dim, base, dtype=dtype, device=positions.device)
     return positions.to(dtype)[:, None] * inv_freq[None, :]
 
+# %% ../nbs/06_rotary.ipynb #3bf9c8f0
 def rotary_cos_sin(angles:torch.Tensor,    # `[..., rotary_dim // 2]` from `rotary_angles`
                    interleaved:bool=False, # layout: halves (GPT-NeoX/LLaMA) or interleaved pairs (RoFormer/GPT-J)
                    dtype:Optional[torch.dtype]=None, # cast the result (transformers casts to the query's dtype)
@@ -71,11 +72,13 @@ def rotate_half(x:torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
+# %% ../nbs/06_rotary.ipynb #064e297e
 def rotate_every_two(x:torch.Tensor) -> torch.Tensor:
     "`[x0, x1, x2, x3, ...] -> [-x1, x0, -x3, x2, ...]`: pairs (x[2d], x[2d+1]) turned by 90°, as in RoFormer and GPT-J."
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([-x2, x1], dim=-1).flatten(-2)
 
+# %% ../nbs/06_rotary.ipynb #7871cc67
 def apply_rotary(x:torch.Tensor,    # `[..., d]`, e.g. queries or keys of one head; d >= rotary_dim
                  cos:torch.Tensor,  # `[..., rotary_dim]` from `rotary_cos_sin`, broadcastable to x's leading dims
                  sin:torch.Tensor,
@@ -255,7 +258,7 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
         return (f"heads={self.heads}{kv}, d_k={self.d_k}, rotary_dim={self.rotary_dim}, base={self.base}, "
                 f"interleaved={self.interleaved}{rope}")
 
-# %% ../nbs/06_rotary.ipynb #fa5f93c2
+# %% ../nbs/06_rotary.ipynb #b61ba502
 @patch
 def cos_sin(self:RotaryMultiHeadAttention, positions:torch.Tensor,  # int `[seq_k]` or `[batch or 1, seq_k]`: the keys' positions
             dtype:torch.dtype,             # the queries' dtype (float64 angles for float64, else float32)
@@ -274,7 +277,7 @@ def cos_sin(self:RotaryMultiHeadAttention, positions:torch.Tensor,  # int `[seq_
     if positions.dim() == 1: return cos[:, None, None], sin[:, None, None]  # [sk, 1, 1, rd]
     return cos.transpose(0, 1)[:, :, None], sin.transpose(0, 1)[:, :, None]  # [sk, b, 1, rd]
 
-# %% ../nbs/06_rotary.ipynb #70148c09
+# %% ../nbs/06_rotary.ipynb #dfdfede6
 @patch
 def rotate(self:RotaryMultiHeadAttention, query:torch.Tensor, key:torch.Tensor, position_ids:Optional[torch.Tensor]=None, fast:bool=False
           ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -291,6 +294,7 @@ def rotate(self:RotaryMultiHeadAttention, query:torch.Tensor, key:torch.Tensor, 
     return (apply_rotary(query, cos[sk - sq:], sin[sk - sq:], self.interleaved),
             apply_rotary(key, cos, sin, self.interleaved))
 
+# %% ../nbs/06_rotary.ipynb #a8299365
 @patch
 def get_scores(self:RotaryMultiHeadAttention, query:torch.Tensor, key:torch.Tensor, position_ids:Optional[torch.Tensor]=None) -> torch.Tensor:
     "Readable path: rotate, then plain dot products `[seq_q, seq_k, batch, heads]`."
@@ -366,7 +370,7 @@ def apply_rotary_fast(x:torch.Tensor,    # `[..., d]`; d >= rotary_dim
     if not _fast_rotation_ok(x, cos, sin): return apply_rotary(x, cos, sin, interleaved)
     return _Rotation.apply(x, cos, _signed_sin(sin, interleaved), interleaved, False, False)
 
-# %% ../nbs/06_rotary.ipynb #a91ac70f
+# %% ../nbs/06_rotary.ipynb #16b702ec
 @patch
 def _rotate_fast(self:RotaryMultiHeadAttention, query:torch.Tensor, key:torch.Tensor, position_ids:Optional[torch.Tensor]=None
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
