@@ -373,7 +373,8 @@ def test_paragraph_helpers_find_the_defects():
     assert [_words(p) for p in ps] == [9, 3, 3, 1]
     assert LAB_PHRASES.search('the 1-minute load average') and LAB_PHRASES.search('The aim is 5%')
     assert LAB_PHRASES.search('run 1 of 3') and LAB_PHRASES.search('see issue 12')
-    assert not LAB_PHRASES.search('the claim holds; every run of the layer; the tissue') 
+    assert not LAB_PHRASES.search('the claim holds; every run of the layer; the tissue')
+    assert _symbol('*d*<sub>k</sub>') == _symbol('$d_k$') == 'dk' and _symbol('*r* = *j* − *i*') == 'r=j-i'
 
 @pytest.mark.parametrize('nb', LESSONS, ids=lambda p: p.name)
 def test_lesson_paragraphs_short(nb):
@@ -403,7 +404,11 @@ def test_lesson_shape(nb):
                    and re.search(r'run_bench\(|def attention_fast\b|autograd\.Function', ''.join(c['source']))]
     assert engineering and min(engineering) > fast, f'fast path or benchmark in cells {engineering}, before cell {fast}'
 
-_NOTATION_SYMBOLS = ('$i$', '$j$', '$r = j - i$', '$n$', '$d_k$', '$H$', '$T$', '$N$', '$W$')
+_NOTATION_SYMBOLS = ('i', 'j', 'r=j-i', 'n', 'dk', 'H', 'T', 'N', 'W')
+
+def _symbol(cell:str) -> str:
+    "A table cell's symbol, however it is written: `$d_k$`, `*d*<sub>k</sub>` and `d_k` are all 'dk'."
+    return re.sub(r'</?sub>|[$*_{}\\\s]', '', cell).replace('−', '-')
 
 def test_notation_table_on_docs_home():
     "The docs home holds the one notation table the chapters follow."
@@ -411,7 +416,7 @@ def test_notation_table_on_docs_home():
     table = next((c for c in cells if re.search(r'^##\s+Notation\s*$', c, re.M)), None)
     assert table is not None, 'no "## Notation" section on the docs home'
     rows = [l for l in table.splitlines() if l.startswith('|')]
-    firsts = [l.split('|')[1].strip() for l in rows[2:]]
+    firsts = [_symbol(l.split('|')[1]) for l in rows[2:]]
     missing = [s for s in _NOTATION_SYMBOLS if s not in firsts]
     assert not missing, f'notation table lacks {missing}; its symbols: {firsts}'
     assert len(firsts) == len(set(firsts)), 'a symbol defined twice'
