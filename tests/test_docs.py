@@ -321,3 +321,113 @@ def test_inline_math_has_no_big_delimiters():
             text = re.sub(r'\$\$.*?\$\$', '', ''.join(c['source']), flags=re.S)
             bad += [f'{nb.name} cell {i}: {m}' for m in re.findall(r'(?<!\\)\$[^$]+?(?<!\\)\$', text) if re.search(r'\\[bB]ig', m)]
     assert not bad, bad[:5]
+
+
+# ---------------------------------------------------------------------------------------------- lesson-shaped chapters
+# A method chapter is a lesson: the idea and a picture, each equation beside the code computing it, what the method does
+# to attention, equality with its reference, a published number, how to use it with its cost, and only then a last
+# section "Making it fast". The chapters listed here are in that shape; the others join the list as they are rewritten.
+
+LESSONS = [ROOT/'nbs'/n for n in ('06_rotary.ipynb', '07_alibi.ipynb')]
+FAST_HEADING = 'Making it fast'
+MAX_PARAGRAPH_WORDS = 100
+# lab-notebook material: internal targets, tracker references, machine load, counts of repeated runs
+LAB_PHRASES = re.compile(r'load average|\bissues?\b|\baim(s|ed)?\b|\brun \d+ of \d+', re.I)
+
+
+def _paragraphs(md:str) -> list:
+    "Paragraphs of Markdown prose as a reader meets them: each run of text lines, each list item on its own; headings,"
+    " tables, display math (`$$...$$`), code fences and block quotes of the title cell left out."
+    md = re.sub(r'```.*?```', '', md, flags=re.S)
+    md = re.sub(r'\$\$.*?\$\$', ' $x$ ', md, flags=re.S)
+    out, cur = [], []
+    def flush():
+        if cur: out.append(' '.join(cur)); cur.clear()
+    for line in md.splitlines():
+        s = line.strip()
+        if not s or s.startswith(('#', '|', '>')): flush(); continue
+        if re.match(r'([*+-]|\d+\.)\s', s): flush()
+        cur.append(s)
+    flush()
+    return out
+
+def _words(paragraph:str) -> int:
+    "Words of a paragraph; a formula `$...$` counts as one word and a link as its text."
+    p = re.sub(r'(?<!\\)\$[^$]+?(?<!\\)\$', 'x', paragraph)
+    p = re.sub(r'\]\([^)\s]*\)', ']', p)
+    return len(p.split())
+
+def _prose(nb:dict):
+    "(where, text) of every Markdown cell and every Markdown output (generated prose) of a notebook."
+    for i, c in enumerate(nb['cells']):
+        if c['cell_type'] == 'markdown': yield f'cell {i}', ''.join(c['source'])
+        for o in c.get('outputs', []):
+            md = o.get('data', {}).get('text/markdown')
+            if md: yield f'cell {i} output', ''.join(md)
+
+def test_paragraph_helpers_find_the_defects():
+    md = ("# Title\n> a description\n\nOne two three $a + b = c$ four.\nStill the same paragraph.\n\n"
+          "| a | b |\n|---|---|\n| 1 | 2 |\n\n* item one\n* item [two](https://x.y/z)\n\n$$\\sum_f x_f$$\n\n```py\ncode here\n```")
+    ps = _paragraphs(md)
+    assert ps == ['One two three $a + b = c$ four. Still the same paragraph.', '* item one', '* item [two](https://x.y/z)', '$x$']
+    assert [_words(p) for p in ps] == [9, 3, 3, 1]
+    assert LAB_PHRASES.search('the 1-minute load average') and LAB_PHRASES.search('The aim is 5%')
+    assert LAB_PHRASES.search('run 1 of 3') and LAB_PHRASES.search('see issue 12')
+    assert not LAB_PHRASES.search('the claim holds; every run of the layer; the tissue')
+    assert _symbol('*d*<sub>k</sub>') == _symbol('$d_k$') == 'dk' and _symbol('*r* = *j* − *i*') == 'r=j-i'
+
+@pytest.mark.parametrize('nb', LESSONS, ids=lambda p: p.name)
+def test_lesson_paragraphs_short(nb):
+    "Every paragraph of a lesson, written or generated, reads in one breath: at most ~100 words."
+    long = [f'{where}: {_words(p)} words: {p[:80]}...' for where, md in _prose(_nb(nb)) for p in _paragraphs(md)
+            if _words(p) > MAX_PARAGRAPH_WORDS]
+    assert not long, long
+
+@pytest.mark.parametrize('nb', LESSONS, ids=lambda p: p.name)
+def test_lesson_has_no_lab_notebook_phrases(nb):
+    "Aims, tracker issues, load averages and run counts belong to the benchmark chapter and the stored data, not a lesson."
+    bad = [f'{where}: ...{md[max(0, m.start() - 50):m.end() + 50]}...' for where, md in _prose(_nb(nb))
+           for m in LAB_PHRASES.finditer(md)]
+    assert not bad, bad
+
+def _h2(c): return re.findall(r'^##\s+(.*?)\s*$', ''.join(c['source']), re.M) if c['cell_type'] == 'markdown' else []
+
+@pytest.mark.parametrize('nb', LESSONS, ids=lambda p: p.name)
+def test_lesson_shape(nb):
+    "A picture (an image output) before the last section, 'Making it fast', which holds the fast path and the benchmark."
+    cells = _nb(nb)['cells']
+    heads = [(i, h) for i, c in enumerate(cells) for h in _h2(c)]
+    assert heads and heads[-1][1] == FAST_HEADING, f'last section: {heads[-1:]}, want {FAST_HEADING!r}'
+    fast = heads[-1][0]
+    assert any('image/png' in o.get('data', {}) for c in cells[:fast] for o in c.get('outputs', [])), 'no picture before it'
+    engineering = [i for i, c in enumerate(cells) if c['cell_type'] == 'code'
+                   and re.search(r'run_bench\(|def attention_fast\b|autograd\.Function', ''.join(c['source']))]
+    assert engineering and min(engineering) > fast, f'fast path or benchmark in cells {engineering}, before cell {fast}'
+
+_NOTATION_SYMBOLS = ('i', 'j', 'r=j-i', 'n', 'dk', 'H', 'T', 'N', 'W')
+
+def _symbol(cell:str) -> str:
+    "A table cell's symbol, however it is written: `$d_k$`, `*d*<sub>k</sub>` and `d_k` are all 'dk'."
+    return re.sub(r'</?sub>|[$*_{}\\\s]', '', cell).replace('−', '-')
+
+def test_notation_table_on_docs_home():
+    "The docs home holds the one notation table the chapters follow."
+    cells = [''.join(c['source']) for c in _nb(ROOT/'nbs'/'index.ipynb')['cells'] if c['cell_type'] == 'markdown']
+    table = next((c for c in cells if re.search(r'^##\s+Notation\s*$', c, re.M)), None)
+    assert table is not None, 'no "## Notation" section on the docs home'
+    rows = [l for l in table.splitlines() if l.startswith('|')]
+    firsts = [_symbol(l.split('|')[1]) for l in rows[2:]]
+    missing = [s for s in _NOTATION_SYMBOLS if s not in firsts]
+    assert not missing, f'notation table lacks {missing}; its symbols: {firsts}'
+    assert len(firsts) == len(set(firsts)), 'a symbol defined twice'
+    assert (ROOT/'README.md').read_text().count('## Notation') == 1
+
+# symbols the notation table gives one meaning: a lesson may not use them for another
+_REDEFINED = {r'e^{i': '`i` is the query position, not the imaginary unit (write cos/sin)',
+              r'\theta_d': 'the rotary frequency index is f: theta_f',
+              r'$L$': 'L is FIRE\'s threshold only; the training length is T'}
+
+@pytest.mark.parametrize('nb', LESSONS, ids=lambda p: p.name)
+def test_lesson_follows_notation(nb):
+    bad = [f'{where}: {s!r}: {why}' for where, md in _prose(_nb(nb)) for s, why in _REDEFINED.items() if s in md.replace(' ', '')]
+    assert not bad, bad
