@@ -61,7 +61,9 @@ class PrepareForMultiHeadAttention(nn.Module):
 _causal_answers = {}
 
 def _mask_key(mask, seq_len_q, seq_len_k):
+    "`(base tensor, key)`; None for an inference tensor (it has no version counter: its answer is not kept)."
     base = mask if mask._base is None else mask._base
+    if base.is_inference(): return None
     return base, (base._version, tuple(mask.shape), mask.stride(), mask.storage_offset(), seq_len_q, seq_len_k)
 
 def is_causal_mask(mask:Optional[torch.Tensor], # prepared mask `[seq_q, seq_k, batch or 1, 1]` (`prepare_mask`), or None
@@ -74,12 +76,12 @@ def is_causal_mask(mask:Optional[torch.Tensor], # prepared mask `[seq_q, seq_k, 
     if (mask is None or seq_len_q == 0 or seq_len_k == 0 or tuple(mask.shape[:2]) != (seq_len_q, seq_len_k)
             or torch.compiler.is_compiling()):
         return False
-    base, key = _mask_key(mask, seq_len_q, seq_len_k)
-    hit = _causal_answers.get(id(base))
-    if hit is not None and hit[0]() is base and hit[1] == key: return hit[2]   # same tensor, unchanged since (in-place writes bump the version)
+    known = _mask_key(mask, seq_len_q, seq_len_k)
+    hit = None if known is None else _causal_answers.get(id(known[0]))
+    if hit is not None and hit[0]() is known[0] and hit[1] == known[1]: return hit[2]   # same tensor, unchanged since (in-place writes bump the version)
     causal = torch.ones(seq_len_q, seq_len_k, dtype=torch.bool, device=mask.device).tril(seq_len_k - seq_len_q)
     answer = bool(torch.equal(mask, causal[:, :, None, None].expand(mask.shape)))
-    _remember(base, key, answer)
+    if known is not None: _remember(*known, answer)
     return answer
 
 def _remember(base, key, answer):
@@ -90,7 +92,9 @@ def _remember(base, key, answer):
 def remember_causal(mask:torch.Tensor, # prepared mask `[seq_q, seq_k, batch or 1, 1]` that its caller built causal
                     seq_len_q:int, seq_len_k:int):
     "Tell `is_causal_mask` that `mask` is causal, so that it is not compared with the causal mask (e.g. one a layer builds itself)."
-    _remember(*_mask_key(mask, seq_len_q, seq_len_k), True)
+    if torch.compiler.is_compiling(): return   # compiled code never asks (see `is_causal_mask`)
+    known = _mask_key(mask, seq_len_q, seq_len_k)
+    if known is not None: _remember(*known, True)
 
 # %% ../nbs/01_mha.ipynb #8401ec3b
 def _refuse_graph_through_fused_sdpa(grad):
