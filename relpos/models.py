@@ -273,6 +273,7 @@ class DecoderLM(nn.Module):
                  attention_dropout:Optional[float]=None, # on the attention weights (every layer, kNN layers too); None: `dropout`
                  residual_dropout:Optional[float]=None,  # on what joins the residual stream: the embeddings and each layer's two branches; None: `dropout`
                  ffn_dropout:Optional[float]=None,       # on the feed-forward blocks' hidden features; None: `dropout`
+                 embedding_dropout:Optional[float]=None, # on the embeddings alone; None: `residual_dropout` (Phi-3 drops its branches only)
                  qkv_bias:Optional[bool]=None,  # biases in the query, key and value projections; None: `bias` (Qwen2: True with bias=False)
                  qk_norm:Optional[str]=None,    # None, 'head' (each query and key head normalised, Qwen3) or 'full' (the whole projections, OLMo 2)
                  sliding_window:Optional[int]=None, # a token attends at most this many tokens, itself included (Mistral); None: all before it
@@ -309,13 +310,15 @@ class DecoderLM(nn.Module):
         if max_len is not None: _check_int(max_len, 'max_len', 1)
         drops = dict(dropout=dropout, attention_dropout=attention_dropout, residual_dropout=residual_dropout,
                      ffn_dropout=ffn_dropout)
+        drops['embedding_dropout'] = embedding_dropout
         for name, p in drops.items():
-            if p is None and name != 'dropout': continue   # None: the value of `dropout`
+            if p is None and name != 'dropout': continue   # None: the value of `dropout` (embedding_dropout: residual_dropout's)
             if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0.0 <= p < 1.0):
-                none = '' if name == 'dropout' else " or None (dropout's value)"
+                none = '' if name == 'dropout' else f" or None ({'residual_dropout' if name == 'embedding_dropout' else 'dropout'}'s value)"
                 raise ValueError(f"{name} must be a float in [0, 1){none}, got {p!r}")
         self.attention_dropout, self.residual_dropout, self.ffn_dropout = (
             float(dropout if p is None else p) for p in (attention_dropout, residual_dropout, ffn_dropout))
+        self.embedding_dropout = self.residual_dropout if embedding_dropout is None else float(embedding_dropout)
         if not (callable(position) or (isinstance(position, str) and position in POSITION_BUILDERS)):
             raise ValueError(f"position must be one of POSITIONS {tuple(POSITION_BUILDERS)} or a callable builder, got {position!r}")
         if position == 'absolute':
@@ -334,7 +337,7 @@ class DecoderLM(nn.Module):
         self.position, self.mem_len, self.max_len, self.position_kwargs = position, mem_len, max_len, position_kwargs
         self.src_embed = nn.Embedding(n_vocab, d_model)
         self.pos_embed = nn.Embedding(max_len, d_model) if position == 'absolute' else None
-        self.drop = nn.Dropout(self.residual_dropout)   # the embeddings are the residual stream's first term
+        self.drop = nn.Dropout(self.embedding_dropout)   # the embeddings are the residual stream's first term
         self.layers = nn.ModuleList([self.make_layer(i) for i in range(n_layers)])
         self.norm = make_norm(norm, d_model, norm_eps)
         # untied by default: labml_nn's Transformer-XL head, checkpoints load
