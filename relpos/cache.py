@@ -606,6 +606,9 @@ def _check_cache(self:DecoderLM, cache, batch:int):
                          "model's new_cache(batch_size, max_cache_len)")
     if owner is not self and not adopt:
         raise ValueError("cache was made for another model: make one with this model's new_cache(batch_size, max_cache_len)")
+    if self.sliding_window is not None and cache.max_cache_len > self.sliding_window:
+        raise ValueError(f"cache keeps max_cache_len={cache.max_cache_len} tokens but the model attends to sliding_window="
+                         f"{self.sliding_window}: make the cache with new_cache(batch_size, max_cache_len), which keeps the window")
     if cache.batch_size != batch:
         raise ValueError(f"tokens have batch {batch} but the cache holds {cache.batch_size} rows: make a cache with "
                          f"new_cache({batch}, max_cache_len)")

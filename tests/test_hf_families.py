@@ -309,3 +309,13 @@ def test_qkv_bias_and_norms_where_they_belong():
     assert isinstance(layer.norm_ff, nn.Identity) and isinstance(layer.post_norm_self_attn, nn.RMSNorm)
     default = DecoderLM(11, d_model=16, heads=2, n_layers=1)
     assert default.layers[0].post_norm_self_attn is None and not any('norm' in k and 'post' in k for k in default.state_dict())
+
+
+def test_a_cache_wider_than_the_window_is_refused():
+    "A cache made by hand with more slots than the model's window would attend past it: refused, naming the window."
+    from relpos.cache import KVCache
+    lm = DecoderLM.from_transformers(case('mistral_window'))
+    wide = KVCache([l.self_attn.module for l in lm.layers], 1, 8, dtype=torch.float64, owner=lm)
+    with pytest.raises(ValueError, match="sliding_window=5"):
+        lm(tokens(1, 3), cache=wide)
+    assert wide.seen == 0
