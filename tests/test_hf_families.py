@@ -319,3 +319,20 @@ def test_a_cache_wider_than_the_window_is_refused():
     with pytest.raises(ValueError, match="sliding_window=5"):
         lm(tokens(1, 3), cache=wide)
     assert wide.seen == 0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_swap_builds_and_runs(name):
+    "Each converted family under each position method it may take: the same weights outside the attention's positions."
+    model = case(name)
+    own = DecoderLM.from_transformers(model).state_dict()
+    d_k = model.model.layers[0].self_attn.head_dim
+    for position in SWAP_POSITIONS:
+        if position == 'fire' and d_k * model.config.num_attention_heads != model.config.hidden_size:
+            with pytest.raises(ValueError, match=f"head_dim={d_k}"): DecoderLM.from_transformers(model, position=position)
+            continue
+        lm = DecoderLM.from_transformers(model, position=position)
+        with torch.no_grad(): assert lm(tokens(1, 9))[0].isfinite().all(), position
+        for k, v in lm.state_dict().items():
+            if '.positions.' in k or k not in own: continue
+            if v.shape == own[k].shape: assert torch.equal(v, own[k]), (position, k)
