@@ -577,12 +577,14 @@ def cached_attention(self:RelationAwareMultiHeadAttention, x, cache, layer, step
 # %% ../nbs/09a_cache.ipynb #e98cb10d
 @patch
 def new_cache(self:DecoderLM, batch_size:int,  # rows decoded side by side
-              max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included
+              max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included (at most the model's `sliding_window`)
              ) -> KVCache:                    # empty, in the parameters' dtype and on their device
     "An empty `KVCache` for this model: `forward(tokens, cache=cache)` fills it and decodes from it."
     if self.memorizing_layers:
         raise ValueError(f"new_cache: the kNN layers {self.memorizing_layers} have no cached path; generate(use_cache=False) "
                          f"keeps every layer's hidden states instead")
+    if self.sliding_window is not None and isinstance(max_cache_len, int) and not isinstance(max_cache_len, bool):
+        max_cache_len = min(max_cache_len, self.sliding_window)   # the model's window: older tokens are never attended
     w = self.src_embed.weight
     return KVCache([layer.self_attn.module for layer in self.layers], batch_size, max_cache_len,
                    dtype=w.dtype, device=w.device, owner=self)
@@ -604,6 +606,9 @@ def _check_cache(self:DecoderLM, cache, batch:int):
                          "model's new_cache(batch_size, max_cache_len)")
     if owner is not self and not adopt:
         raise ValueError("cache was made for another model: make one with this model's new_cache(batch_size, max_cache_len)")
+    if self.sliding_window is not None and cache.max_cache_len > self.sliding_window:
+        raise ValueError(f"cache keeps max_cache_len={cache.max_cache_len} tokens but the model attends to sliding_window="
+                         f"{self.sliding_window}: make the cache with new_cache(batch_size, max_cache_len), which keeps the window")
     if cache.batch_size != batch:
         raise ValueError(f"tokens have batch {batch} but the cache holds {cache.batch_size} rows: make a cache with "
                          f"new_cache({batch}, max_cache_len)")
@@ -664,11 +669,8 @@ def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:b
         if self.pos_embed is not None: x = x + self.pos_embed(q_pos)
         x = self.drop(x)
         for i, layer in enumerate(self.layers):
-            a = layer.dropout(layer.self_attn.module.cached_attention(layer.norm_self_attn(x), cache, i, step))
-            if getattr(layer, 'parallel_residual', False): x = x + a + layer.dropout(layer.feed_forward(layer.norm_ff(x)))
-            else:
-                x = x + a
-                x = x + layer.dropout(layer.feed_forward(layer.norm_ff(x)))
+            # the layer's own residual arithmetic (post-norms, parallel residual) around the cached attention
+            x = layer.add_branches(x, layer.self_attn.module.cached_attention(layer.norm_self_attn(x), cache, i, step))
         if last_only: x = x[:, -1:]
         logits = self.generator(self.norm(x))
         step.commit()
@@ -703,9 +705,11 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
 # %% ../nbs/09a_cache.ipynb #4cc228e2
 def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
                 attention_mask:Optional[torch.Tensor]=None,    # `[batch, n]`, 0: padding (never attended; positions count only tokens)
-                max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i
+                max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i (and the model's `sliding_window`)
                ) -> torch.Tensor:                              # logits `[batch, n, n_vocab]` (NaN at padding)
     "The model over the whole sequence in one pass with the causal, padding and window masks: what cached decoding equals."
+    window = model.sliding_window   # the model's own window, and the cache's if narrower
+    if max_cache_len is None or (window is not None and window < max_cache_len): max_cache_len = window
     n = tokens.shape[1]
     i = torch.arange(n, device=tokens.device)
     mask = i[None, :] <= i[:, None]                # [n, n], one mask for all rows: the layers' causal fast paths
