@@ -205,7 +205,7 @@ def save_checkpoint(path:str,            # directory to create, e.g. `ckpt/step_
     path, rank = Path(path), dist.get_rank() if dist.is_initialized() else 0
     model_sd, optim_sd = get_state_dict(unwrap(model), optimizer)
     with _one_process_ok():
-        dcp.save({'model': model_sd, 'optim': optim_sd}, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.save({'model': model_sd, 'optim': optim_sd}, checkpoint_id=path)   # each rank its shards
     own = dict(memory=None if memory is None else [m.cpu() for m in memory], knn=unwrap(model).knn_memory_state_dict(),
                rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
     torch.save(own, path/f'rank{rank}.pt')
@@ -231,7 +231,7 @@ def load_checkpoint(path:str, model:nn.Module, optimizer:torch.optim.Optimizer,
     model_sd, optim_sd = get_state_dict(unwrap(model), optimizer)
     state = {'model': model_sd, 'optim': optim_sd}
     with _one_process_ok():
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())   # in place, each rank its shards
+        dcp.load(state, checkpoint_id=path)   # in place, each rank its shards
     set_state_dict(unwrap(model), optimizer, model_state_dict=state['model'], optim_state_dict=state['optim'])
     own = torch.load(path/f'rank{rank}.pt', map_location='cpu', weights_only=True)
     unwrap(model).load_knn_memory_state_dict(own['knn'])

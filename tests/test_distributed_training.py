@@ -3,12 +3,14 @@
 One spawn of two processes runs every check that needs a process group, so torch is imported twice, not once per case:
 - for every entry of `relpos.models.POSITIONS` (with Transformer-XL memory where the method takes it) and for kNN layers:
   two optimizer steps of two micro-steps each under DDP, under FSDP2, and under FSDP2 with activation checkpointing
-  give the single process's loss and gradients at every step (float64, <= 1e-9 relative). The second step reads the
-  memory the first left, so a rank whose XL or kNN memory held another rank's rows would differ;
+  give the single process's loss and gradients at every step (float64, <= 1e-9 relative), and at the end each rank's
+  XL and kNN memories are the single process's rows of that rank (the second step reads what the first left);
 - `train()` stopped after two steps and resumed from its checkpoint repeats the uninterrupted run's losses bit for bit
   (DDP and FSDP2, XL memory, a kNN layer and dropout: model, optimizer, memories and random state all restored);
-- bf16 under FSDP2 (`MixedPrecisionPolicy`) stays within BF16_TOLERANCE of float32 over a few steps.
-Then `torchrun --nproc_per_node 2 -m relpos.train` trains (FSDP2), stops, resumes, and gives the single process's losses.
+- bf16 under FSDP2 (`MixedPrecisionPolicy`) stays within BF16_TOLERANCE of float32 over three steps;
+- `--compile` (Inductor's CPU kernels, when a C++ compiler is there) under DDP gives the uncompiled float64 losses.
+Then `torchrun --nproc_per_node 2 -m relpos.train` trains (FSDP2, float64), stops, resumes, and gives the single
+process's losses; and in this process: activation checkpointing keeps fewer activations, --help, refused options.
 """
 import gc, json, os, shutil, socket, subprocess, sys
 from pathlib import Path
