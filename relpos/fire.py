@@ -53,21 +53,29 @@ class FireBias(nn.Module):
         if not eps >= 0: raise ValueError(f"eps must be >= 0, got {eps!r}")
         # the paper's names: mlp = Linear(1, width), ReLU, Linear(width, heads); c; init_L (fixed); L_multiplier
         self.mlp = nn.Sequential(nn.Linear(1, mlp_width), nn.ReLU(), nn.Linear(mlp_width, self.heads))
-        self.c = nn.Parameter(torch.tensor(float(init_c)))
+        # c and L_multiplier are 1-element vectors, not the paper's scalars: FSDP2's fully_shard shards every parameter
+        # along its first dimension and refuses 0-d ones. Scalar checkpoints still load (_load_from_state_dict).
+        self.c = nn.Parameter(torch.tensor([float(init_c)]))
         self.register_buffer('init_L', torch.tensor(float(init_L)))
-        self.L_multiplier = nn.Parameter(torch.tensor(1.0))
+        self.L_multiplier = nn.Parameter(torch.tensor([1.0]))
         self.eps = float(eps)
 
     def extra_repr(self): return f"heads={self.heads}, mlp_width={self.mlp[0].out_features}, eps={self.eps}"
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ('c', 'L_multiplier'):   # a checkpoint with the scalars of earlier versions: the same numbers, as [1]
+            t = state_dict.get(prefix + name)
+            if isinstance(t, torch.Tensor) and t.dim() == 0: state_dict[prefix + name] = t.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @property
     def threshold(self) -> torch.Tensor:
         "L = |L_multiplier * init_L|, the position below which every query is normalised as if it sat at L."
-        return torch.abs(self.L_multiplier * self.init_L)
+        return torch.abs(self.L_multiplier[0] * self.init_L)
 
     def mlp_params(self) -> tuple:
         "`(c, L_multiplier, init_L, w1, b1, w2, b2)`: the tensors the bias is a function of (w1, b1: `[width]`; w2: `[heads, width]`)."
-        return (self.c, self.L_multiplier, self.init_L, self.mlp[0].weight[:, 0], self.mlp[0].bias,
+        return (self.c[0], self.L_multiplier[0], self.init_L, self.mlp[0].weight[:, 0], self.mlp[0].bias,
                 self.mlp[2].weight, self.mlp[2].bias)
 
     def forward(self,
@@ -80,7 +88,7 @@ class FireBias(nn.Module):
         w = self.mlp[0].weight
         pos_q = torch.arange(offset, offset + seq_len_q, device=w.device, dtype=w.dtype)
         pos_k = torch.arange(seq_len_k, device=w.device, dtype=w.dtype)
-        x = fire_normalized_distance(pos_q, pos_k, self.c, self.threshold, self.eps)   # [seq_q, seq_k]
+        x = fire_normalized_distance(pos_q, pos_k, self.c[0], self.threshold, self.eps)   # [seq_q, seq_k]
         return self.mlp(x[..., None]).permute(2, 0, 1)[None]                          # [1, heads, seq_q, seq_k]
 
 

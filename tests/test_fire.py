@@ -203,3 +203,32 @@ def test_workers_equal_one_thread(causal, monkeypatch):
     for a, b in zip(*res): torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
     ref = fire_mod._fire_attention_reference(q, k, v, 0.5, causal, 4, f.eps, *f.mlp_params())
     torch.testing.assert_close(res[1][0], ref, rtol=1e-11, atol=1e-12)
+
+
+# ---------------------------------------------------------------- parameters FSDP2 can shard; checkpoints of earlier versions
+def test_no_scalar_parameters_and_scalar_checkpoints_load():
+    "c and L_multiplier are [1] (FSDP2's fully_shard refuses 0-d parameters); a state_dict holding them as scalars (earlier"
+    " versions, the paper's code) loads into DecoderLM(position='fire') and gives the same logits and gradients."
+    from relpos.models import DecoderLM
+    torch.manual_seed(0)
+    model = DecoderLM(50, 16, 2, 2, position='fire', max_len=8).double()
+    with torch.no_grad():
+        for p in model.parameters(): p.add_(0.1 * torch.randn_like(p))
+    scalars = {n: tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 0}
+    assert not scalars, scalars
+    old = {k: (v.reshape(()) if k.endswith(('positions.c', 'positions.L_multiplier')) else v.clone())
+           for k, v in model.state_dict().items()}
+    assert sum(v.dim() == 0 for v in old.values()) == 4 + 2          # c, L_multiplier per layer; init_L buffers stay 0-d
+    loaded = DecoderLM(50, 16, 2, 2, position='fire', max_len=8).double()
+    loaded.load_state_dict(old)
+    assert {k: tuple(v.shape) for k, v in loaded.state_dict().items()} == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tokens = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for m in (model, loaded):
+        m.zero_grad()
+        logits, _ = m(tokens)
+        logits.square().mean().backward()
+        outs.append([logits.detach()] + [p.grad for p in m.parameters()])
+    for a, b in zip(*outs): assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match='size mismatch'):     # a wrong shape is still refused
+        loaded.load_state_dict({**old, 'layers.0.self_attn.module.positions.c': torch.ones(2, dtype=torch.float64)})
