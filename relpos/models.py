@@ -822,6 +822,13 @@ def from_transformers(cls:DecoderLM, model:nn.Module, # LlamaForCausalLM or GPTN
     from relpos.hf import decoder_from_transformers   # at call time: relpos.hf imports this module
     return decoder_from_transformers(model, position, **position_kwargs)
 
+@patch
+def to_transformers(self:DecoderLM, ignore_dropout:bool=False, # convert although transformers' class drops out in fewer places
+                    **token_ids) -> nn.Module:                  # `bos_token_id`, `eos_token_id`, `pad_token_id` for its config
+    "The transformers causal LM with this model's architecture and weights (`relpos.hf.decoder_to_transformers`)."
+    from relpos.hf import decoder_to_transformers   # at call time: relpos.hf imports this module
+    return decoder_to_transformers(self, ignore_dropout, **token_ids)
+
 # %% ../nbs/09_models.ipynb #hfgen02
 class RepetitionPenaltyProcessor:
     "transformers' `RepetitionPenaltyLogitsProcessor`: the scores of tokens already in a row divided by `penalty` (multiplied where negative)."
@@ -946,6 +953,105 @@ def _transformers_decoding(self:DecoderLM, attention_mask, temperature, top_k, g
         return scores.argmax(-1)
     eos = None if eos is None else torch.tensor(eos, device=self.src_embed.weight.device)
     return pick, _Stopping(eos, pad_token_id, _callables(stopping_criteria, 'stopping_criteria'), streamer)
+
+# %% ../nbs/09_models.ipynb #save02
+import json, importlib, sys
+from pathlib import Path
+
+def _safetensors():
+    "safetensors.torch, or an ImportError saying how to get it."
+    try: return importlib.import_module('safetensors.torch')
+    except ImportError as e:
+        raise ImportError("save_pretrained / from_pretrained need the safetensors package: pip install safetensors "
+                          "(transformers installs it)") from e
+
+def _to_json(v, name:str):
+    "A constructor argument as JSON; tuples, dtypes and importable classes or functions tagged for `_from_json`."
+    if v is None or isinstance(v, (bool, int, float, str)): return v
+    if isinstance(v, (list, tuple)):
+        items = [_to_json(x, f"{name}[{i}]") for i, x in enumerate(v)]
+        return {'__tuple__': items} if isinstance(v, tuple) else items
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v): return {k: _to_json(x, f"{name}[{k!r}]") for k, x in v.items()}
+    if isinstance(v, torch.dtype): return {'__dtype__': str(v).split('.')[-1]}
+    if isinstance(v, type) or callable(v) and hasattr(v, '__qualname__') and hasattr(v, '__module__'):
+        if '<' not in v.__qualname__: return {'__import__': f"{v.__module__}:{v.__qualname__}"}
+    raise ValueError(f"save_pretrained: {name}={v!r} cannot be written to config.json (JSON values, tuples, dtypes and "
+                     f"classes or functions defined at module level can); define it at module level")
+
+def _from_json(v, name:str):
+    "Inverse of `_to_json`: an import path that no longer resolves is an error naming the argument."
+    if isinstance(v, list): return [_from_json(x, name) for x in v]
+    if not isinstance(v, dict): return v
+    if '__tuple__' in v: return tuple(_from_json(x, name) for x in v['__tuple__'])
+    if '__dtype__' in v: return getattr(torch, v['__dtype__'])
+    if '__import__' in v:
+        module, qualname = v['__import__'].split(':')
+        try:
+            obj = sys.modules[module] if module == '__main__' else importlib.import_module(module)
+            for part in qualname.split('.'): obj = getattr(obj, part)
+            return obj
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"from_pretrained: {name} is {v['__import__']}, which cannot be imported here ({e}); pass "
+                             f"{name}=<it> to from_pretrained") from None
+    return {k: _from_json(x, f"{name}[{k!r}]") for k, x in v.items()}
+
+@patch
+def to_config(self:DecoderLM) -> dict:
+    "The constructor arguments that rebuild this model: `type(lm)(**lm.to_config())` has the same parameters."
+    # a value that follows another argument is recorded as None (follow it), so that from_pretrained(dir, dropout=p) moves it too
+    follow = lambda value, leader: None if value == leader else value
+    return dict(n_vocab=self.n_vocab, d_model=self.d_model, heads=self.heads, n_layers=len(self.layers), d_ff=self.d_ff,
+                position=self.position, mem_len=self.mem_len, dropout=self.dropout_p, max_len=self.max_len,
+                memorizing_layers=self.memorizing_layers, knn_capacity=self.knn_capacity, top_k=self.top_k,
+                knn_memory=self.knn_memory, knn_memory_kwargs=self.knn_memory_kwargs or None, nope_layers=self.nope_layers,
+                norm=self.norm_kind, ffn=self.ffn_kind, bias=self.bias, head_bias=follow(self.generator.bias is not None, self.bias),
+                norm_eps=self.norm_eps, parallel_residual=self.parallel_residual, tie_embeddings=self.tie_embeddings,
+                kv_heads=self.kv_heads, head_dim=self.head_dim, attention_dropout=follow(self.attention_dropout, self.dropout_p),
+                residual_dropout=follow(self.residual_dropout, self.dropout_p),
+                ffn_dropout=follow(self.ffn_dropout, self.dropout_p), **self.position_kwargs)
+
+@patch
+def save_pretrained(self:DecoderLM, directory, # created if missing; `config.json` and `model.safetensors` are overwritten
+                   ) -> Path:                   # the directory
+    "Write `config.json` (the constructor arguments, `to_config()`) and `model.safetensors` (the weights, a tied one once)."
+    st = _safetensors()
+    init = {k: _to_json(v, k) for k, v in self.to_config().items()}
+    tensors, aliases, seen = {}, {}, {}
+    for name, t in self.state_dict().items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())   # the same tensor under another name: tied weights
+        if t.numel() and key in seen: aliases[name] = seen[key]; continue
+        seen[key], tensors[name] = name, t.detach().cpu().contiguous()
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {'library': 'relpos', 'class': f"{type(self).__module__}:{type(self).__qualname__}",
+              'dtype': str(self.src_embed.weight.dtype).split('.')[-1], 'init': init}
+    (path / 'config.json').write_text(json.dumps(config, indent=2) + '\n')
+    st.save_file(tensors, str(path / 'model.safetensors'), metadata={'format': 'pt', 'aliases': json.dumps(aliases)})
+    return path
+
+@patch(cls_method=True)
+def from_pretrained(cls:DecoderLM, directory,  # written by `save_pretrained`
+                    device=None,                # where the model goes (default: the CPU)
+                    **init) -> DecoderLM:      # constructor arguments to change, e.g. `dropout=0.1` (not the weights' shapes)
+    "The model `save_pretrained` wrote: built from `config.json` (and `init`), in the weights' dtype, weights loaded, in eval mode."
+    path = Path(directory)
+    missing = [f for f in ('config.json', 'model.safetensors') if not (path / f).is_file()]
+    if missing: raise FileNotFoundError(f"from_pretrained: {path} has no {' or '.join(missing)} (written by save_pretrained)")
+    config = json.loads((path / 'config.json').read_text())
+    if config.get('library') != 'relpos':
+        raise ValueError(f"from_pretrained: {path / 'config.json'} was not written by relpos's save_pretrained; a transformers "
+                         f"checkpoint loads with transformers, then DecoderLM.from_transformers(model)")
+    kwargs = {k: _from_json(v, k) for k, v in config['init'].items() if k not in init}
+    st = _safetensors()
+    with st.safe_open(str(path / 'model.safetensors'), framework='pt') as f:
+        aliases = json.loads((f.metadata() or {}).get('aliases', '{}'))
+    weights = st.load_file(str(path / 'model.safetensors'))
+    weights.update({name: weights[to] for name, to in aliases.items()})
+    lm = cls(**kwargs, **init).to(weights['src_embed.weight'].dtype)
+    for name, t in [*lm.named_parameters(), *lm.named_buffers()]:
+        if name in weights and weights[name].dtype != t.dtype: t.data = t.data.to(weights[name].dtype)   # mixed dtypes kept
+    lm.load_state_dict(weights, strict=True)
+    return lm.to(device).eval()
 
 # %% ../nbs/09_models.ipynb #612e405e
 def labml_xl_state_dict(state_dict:dict, # a labml_nn Transformer-XL `AutoregressiveModel` (or `TransformerXLModel`) state_dict

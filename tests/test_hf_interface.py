@@ -1,7 +1,8 @@
-"""DecoderLM as transformers' tools call it, in float64 against transformers (its float32 steps in float64, see
-test_modern.float32_as_float64): the causal-LM forward (`input_ids=`, `labels=`: transformers' loss), `generate` with
-transformers' arguments (the same tokens as `LlamaForCausalLM.generate` of the converted model), and `Trainer` and
-PEFT's LoRA on a relpos model."""
+"""DecoderLM as transformers' tools call it, and the way back, in float64 against transformers (its float32 steps in
+float64, see test_modern.float32_as_float64): the causal-LM forward (`input_ids=`, `labels=`: transformers' loss),
+`generate` with transformers' arguments (the same tokens as `LlamaForCausalLM.generate` of the converted model),
+`Trainer` and PEFT's LoRA on a relpos model, `save_pretrained`/`from_pretrained` for every position method, and
+`to_transformers` (LLaMA and GPT-NeoX layouts, round trips, refusals)."""
 import copy, inspect, json
 import pytest
 import torch
@@ -14,6 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from relpos.models import DecoderLM, POSITIONS, POSITION_BUILDERS, CausalLMOutput, causal_lm_loss
+from relpos.hf import decoder_to_transformers, TO_TRANSFORMERS
 from test_modern import float32_as_float64, ROPES, max_err
 
 TOL = 1e-10
@@ -316,3 +318,210 @@ def test_peft_lora_trains_a_relpos_model(tmp_path):
         assert type(merged) is DecoderLM and not torch.equal(merged.state_dict()['layers.0.self_attn.module.query.linear.weight'],
                                                              base['layers.0.self_attn.module.query.linear.weight'])
         assert max_err(merged(x)[0], adapted) <= 1e-5
+
+
+# ---------------------------------------------------------------- save_pretrained / from_pretrained
+def perturbed(lm, seed=0):
+    "Every parameter moved, so that a zero-initialised one (a bias, a table) that fails to load shows."
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.parameters(): p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return lm.eval()
+
+
+def reload(lm, tmp_path, **kw):
+    lm.save_pretrained(tmp_path)
+    return DecoderLM.from_pretrained(tmp_path, **kw)
+
+
+def same_model(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
+    assert a.to_config() == b.to_config()
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_save_and_load_every_position(position, tmp_path):
+    torch.manual_seed(0)
+    lm = perturbed(DecoderLM(V, d_model=16, heads=2, n_layers=2, position=position, max_len=16))
+    back = reload(lm, tmp_path)
+    same_model(lm, back)
+    x = tokens(2, 9)
+    with torch.no_grad(): assert torch.equal(back(x)[0], lm(x)[0])
+
+
+def module_level_builder(d_model, heads, dropout, max_len, mem_len, **kw):
+    "A builder of one's own, importable: saved by its import path."
+    return POSITION_BUILDERS['t5'](d_model, heads, dropout, max_len, mem_len, **kw)
+
+
+class OwnLM(DecoderLM):
+    "A subclass: from_pretrained builds the class it is called on."
+
+
+@pytest.mark.parametrize("kw", [
+    dict(position='xl', mem_len=6, memorizing_layers=(1,), knn_capacity=16, top_k=2, dropout=0.1),
+    dict(position='rotary', norm='rms', ffn='swiglu', bias=False, kv_heads=1, head_dim=12, tie_embeddings=True,
+         rope_scaling={'rope_type': 'longrope', 'factor': 4.0, 'original_max_position_embeddings': 8,
+                       'short_factor': [1.0] * 6, 'long_factor': [2.0] * 6}, max_position_embeddings=32, nope_layers=(0,)),
+    dict(position='fire', parallel_residual=True, head_bias=False, norm_eps=1e-6, attention_dropout=0.2, ffn_dropout=0.0),
+    dict(position=module_level_builder, num_buckets=8, max_distance=16, mem_len=4),
+], ids=['knn+xl memory', 'llama-like gqa longrope nope', 'fire parallel', 'own builder'])
+def test_save_and_load_options(kw, tmp_path):
+    "Options beyond the position: the next segments (XL memory, kNN memory from a fresh start) give identical logits."
+    torch.manual_seed(0)
+    lm = perturbed(DecoderLM(V, d_model=24, heads=2, n_layers=2, **kw)).double()
+    back = reload(lm, tmp_path)
+    same_model(lm, back)
+    assert back.training is False and back.src_embed.weight.dtype == torch.float64
+    if lm.tie_embeddings: assert back.generator.weight is back.src_embed.weight
+    mem_a = mem_b = None
+    with torch.no_grad():
+        for seg in range(3):
+            x = tokens(2, 5, seed=seg)
+            (la, mem_a), (lb, mem_b) = lm(x, mem_a), back(x, mem_b)
+            assert torch.equal(la, lb), seg
+
+
+def test_save_and_load_faiss_memory_class(tmp_path):
+    pytest.importorskip("faiss")
+    from relpos.memorizing import FaissKNNMemory
+    lm = DecoderLM(V, d_model=16, heads=2, n_layers=2, position='xl', mem_len=4, memorizing_layers=(0,),
+                   knn_memory=FaissKNNMemory, knn_memory_kwargs=dict(nprobe=4))
+    back = reload(lm, tmp_path)
+    assert back.knn_memory is FaissKNNMemory and back.knn_memory_kwargs == {'nprobe': 4}
+
+
+def test_config_records_every_constructor_argument(tmp_path):
+    "A constructor argument added later must be written too, or a reloaded model would silently differ."
+    lm = DecoderLM(V, d_model=16, heads=2, position='t5', num_buckets=8)
+    params = set(inspect.signature(DecoderLM.__init__).parameters) - {'self', 'position_kwargs'}
+    cfg = lm.to_config()
+    assert params <= set(cfg) and set(cfg) - params == {'num_buckets'}
+    lm.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / 'config.json').read_text())
+    assert saved['library'] == 'relpos' and saved['init']['num_buckets'] == 8 and saved['init']['nope_layers'] == {'__tuple__': []}
+
+
+def test_from_pretrained_builds_the_class_it_is_called_on_with_overrides(tmp_path):
+    lm = perturbed(OwnLM(V, d_model=16, heads=2, position='alibi'))
+    lm.save_pretrained(tmp_path)
+    back = OwnLM.from_pretrained(tmp_path, dropout=0.25, device='cpu')
+    assert type(back) is OwnLM and back.dropout_p == 0.25 and back.layers[0].dropout.p == 0.25
+
+
+def test_save_and_load_refusals(tmp_path):
+    local = DecoderLM(V, d_model=16, heads=2, position=lambda *a, **k: POSITION_BUILDERS['none'](*a, **k))
+    with pytest.raises(ValueError, match="position=.* cannot be written to config.json"): local.save_pretrained(tmp_path / 'a')
+    with pytest.raises(FileNotFoundError, match="has no config.json or model.safetensors"): DecoderLM.from_pretrained(tmp_path / 'b')
+    hf = tiny_llama()
+    hf.save_pretrained(tmp_path / 'hf')
+    with pytest.raises(ValueError, match="was not written by relpos's save_pretrained"): DecoderLM.from_pretrained(tmp_path / 'hf')
+    lm = DecoderLM(V, d_model=16, heads=2, position=module_level_builder)
+    lm.save_pretrained(tmp_path / 'c')
+    cfg = json.loads((tmp_path / 'c' / 'config.json').read_text())
+    cfg['init']['position'] = {'__import__': 'no_such_module:builder'}
+    (tmp_path / 'c' / 'config.json').write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="position is no_such_module:builder, which cannot be imported here"):
+        DecoderLM.from_pretrained(tmp_path / 'c')
+    assert type(DecoderLM.from_pretrained(tmp_path / 'c', position=module_level_builder)) is DecoderLM
+
+
+# ---------------------------------------------------------------- to_transformers
+def to_hf(lm, **kw):
+    with float32_as_float64():   # transformers' rotary frequencies in float64, as relpos's
+        return lm.to_transformers(**kw)
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("kv_heads,tie,bias", [(2, True, False), (4, False, True)])
+def test_llama_round_trip(rope, kv_heads, tie, bias):
+    "LLaMA -> relpos -> LLaMA: every weight back in place, the same config, the same logits."
+    model = tiny_llama(ROPES[rope], kv_heads, tie, bias)
+    lm = DecoderLM.from_transformers(model)
+    back = to_hf(lm)
+    assert type(back) is LlamaForCausalLM and back.training == lm.training
+    sa, sb = model.state_dict(), back.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    for k in ('num_key_value_heads', 'head_dim', 'rms_norm_eps', 'attention_bias', 'mlp_bias', 'tie_word_embeddings',
+              'max_position_embeddings', 'rope_parameters'):
+        assert getattr(back.config, k) == getattr(model.config, k), k
+    x = tokens(2, 24, seed=7)   # longer than max_position_embeddings: the scaled ropes at work
+    want = hf_logits(model, x)
+    assert max_err(hf_logits(back, x), want) <= TOL
+    with torch.no_grad(): assert max_err(lm(x)[0], want) <= TOL
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(bias=True, kv_heads=2, tie_embeddings=True),
+                                dict(head_dim=12, kv_heads=1, base=10000.0, max_position_embeddings=64,
+                                     rope_scaling={'rope_type': 'dynamic', 'factor': 2.0}),
+                                dict(rope_scaling=ROPES['yarn_mscale'])])   # no max_position_embeddings: yarn does without
+def test_relpos_llama_layout_to_transformers(kw):
+    "A DecoderLM trained in relpos (here: random weights) in LLaMA's layout: transformers' logits equal relpos's."
+    torch.manual_seed(0)
+    lm = perturbed(DecoderLM(V, d_model=32, heads=4, n_layers=2, d_ff=40, position='rotary', norm='rms', ffn='swiglu',
+                             head_bias=False, norm_eps=1e-6, **{'bias': False, **kw}).double())
+    model = to_hf(lm)
+    assert type(model) is LlamaForCausalLM and model.config.eos_token_id is None and not model.training
+    x = tokens(3, 20, seed=8)
+    mask = left_padded(3, 20, [0, 3, 0])
+    ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        assert max_err(lm(x)[0], hf_logits(model, x)) <= TOL
+        got = lm(x, attention_mask=mask, position_ids=ids)[0]
+    assert max_err(got, hf_logits(model, x, attention_mask=mask, position_ids=ids), mask.bool()) <= TOL
+    if lm.tie_embeddings: assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("tie", [False, True])
+def test_gpt_neox_round_trip(parallel, tie):
+    model = tiny_neox(parallel, tie)
+    lm = DecoderLM.from_transformers(model)
+    back = to_hf(lm)
+    assert type(back) is GPTNeoXForCausalLM and back.config.use_parallel_residual == parallel
+    sa, sb = model.state_dict(), back.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    x = tokens(2, 20, seed=9)
+    want = hf_logits(model, x)
+    assert max_err(hf_logits(back, x), want) <= TOL
+    # and a relpos model in GPT-NeoX's layout, converted the other way first
+    torch.manual_seed(1)
+    native = perturbed(DecoderLM(V, d_model=32, heads=4, n_layers=2, position='rotary', rotary_dim=2, norm='layer',
+                                 ffn='gelu', head_bias=False, parallel_residual=parallel, tie_embeddings=tie).double())
+    with torch.no_grad(): assert max_err(hf_logits(to_hf(native), x), native(x)[0]) <= TOL
+
+
+def test_to_transformers_keeps_dtype_mode_and_seed():
+    lm = DecoderLM(V, d_model=16, heads=2, position='rotary', norm='rms', ffn='swiglu', bias=False, head_bias=False)
+    state = torch.get_rng_state()
+    model = lm.train().to_transformers(eos_token_id=3)
+    assert torch.equal(torch.get_rng_state(), state)   # the throwaway initialisation used a forked generator
+    assert model.training and model.dtype == torch.float32 and model.config.eos_token_id == 3
+
+
+@pytest.mark.parametrize("position", [p for p in POSITIONS if p != 'rotary'])
+def test_to_transformers_refuses_other_positions_by_name(position):
+    lm = DecoderLM(V, d_model=16, heads=2, position=position, max_len=8)
+    with pytest.raises(ValueError, match=f"position='{position}' has no transformers counterpart"): lm.to_transformers()
+
+
+def test_to_transformers_refuses_what_no_class_expresses():
+    rotary = dict(position='rotary', d_model=16, heads=2, n_layers=2)
+    cases = [(dict(nope_layers=(1,)), r"nope_layers=\(1,\) has no counterpart"),
+             (dict(memorizing_layers=(0,)), r"memorizing_layers=\(0,\) has no counterpart"),
+             (dict(norm='layer', ffn='swiglu'), "LlamaForCausalLM needs norm='layer' \\(needs 'rms'\\), head_bias=True .*"
+                                                "GPTNeoXForCausalLM needs ffn='swiglu' \\(needs 'gelu'\\)"),
+             (dict(norm='rms', ffn='swiglu', head_bias=False, bias=False, dropout=0.1), "residual_dropout=0.1 \\(needs 0.0\\), ffn_dropout=0.1"),
+             (dict(norm='rms', ffn='swiglu', head_bias=False, interleaved=True), "interleaved=True \\(needs False\\)")]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg): DecoderLM(V, **{**rotary, **kw}).to_transformers()
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) \['hidden_act'\]"):
+        DecoderLM(V, **rotary).to_transformers(hidden_act='gelu')
+    # dropout in more places than LLaMA's: converted when only inference matters
+    lm = DecoderLM(V, **rotary, norm='rms', ffn='swiglu', head_bias=False, bias=False, dropout=0.1).eval()
+    model = lm.to_transformers(ignore_dropout=True)
+    assert model.config.attention_dropout == 0.1
+    x = tokens(1, 6)
+    with torch.no_grad(): assert max_err(model(x).logits, lm(x)[0]) <= 1e-5
+    assert set(TO_TRANSFORMERS) == {'LlamaForCausalLM', 'GPTNeoXForCausalLM'}
