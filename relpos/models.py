@@ -4,9 +4,11 @@
 
 # %% auto #0
 __all__ = ['POSITION_BUILDERS', 'POSITIONS', 'NORMS', 'FFNS', 'QK_NORMS', 'GQA_POSITIONS', 'BIAS_POSITIONS',
-           'KNN_LOCAL_POSITIONS', 'causal_mask', 'BatchFirstAttention', 'SequenceFirstAttention', 'ShawAttention',
-           'LabmlPosition', 'SwiGLUFeedForward', 'make_norm', 'make_ffn', 'DecoderLayer', 'NormedHeads',
-           'normalise_heads', 'DecoderLM', 'labml_xl_state_dict']
+           'KNN_LOCAL_POSITIONS', 'HF_FORWARD_KEYWORDS', 'causal_mask', 'BatchFirstAttention', 'SequenceFirstAttention',
+           'ShawAttention', 'LabmlPosition', 'SwiGLUFeedForward', 'make_norm', 'make_ffn', 'DecoderLayer',
+           'NormedHeads', 'normalise_heads', 'DecoderLM', 'CausalLMOutput', 'causal_lm_loss',
+           'RepetitionPenaltyProcessor', 'TemperatureProcessor', 'TopKProcessor', 'TopPProcessor',
+           'labml_xl_state_dict']
 
 # %% ../nbs/09_models.ipynb #e0c9b173
 import math
@@ -621,14 +623,27 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
 
 # %% ../nbs/09_models.ipynb #e139980d
 @patch
-def forward(self:DecoderLM, tokens:torch.Tensor,      # token ids `[batch, seq_len]`
+def forward(self:DecoderLM, tokens:Optional[torch.Tensor]=None, # token ids `[batch, seq_len]` (or `input_ids=`)
             memory:Optional[List[torch.Tensor]]=None, # the memory returned by the previous call (None or []: none)
             doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first, their XL memory is not attended, their K/V cache is reset)
             position_ids:Optional[torch.Tensor]=None, # int `[batch, m + seq_len]` or `[m + seq_len]`: positions of the memory and the tokens (rotary, ALiBi, T5); with `cache`: `[batch, seq_len]` or `[seq_len]`, which must continue the cache's
             attention_mask:Optional[torch.Tensor]=None, # bool or 0/1 `[batch, m + seq_len]`: False/0 = padding (never attended); with `cache`: `[batch, seq_len]`, the new tokens'
             *, cache=None,                            # a `relpos.cache.KVCache` from `new_cache`: decode incrementally (instead of `memory`)
-           ) -> Tuple[torch.Tensor, list]:           # logits `[batch, seq_len, n_vocab]`, next memory (`[]` if `mem_len=0`), or the cache
-    "Logits for `tokens` after `memory`, and the next memory: each layer's inputs on the last `mem_len` positions, detached. With `cache=`, logits after everything in the cache, and the cache (updated in place)."
+            input_ids:Optional[torch.Tensor]=None,    # transformers' name for `tokens`: the call returns a `CausalLMOutput`
+            labels:Optional[torch.Tensor]=None,       # `[batch, seq_len]` ids to predict, -100 ignored, shifted inside (transformers' convention): a `CausalLMOutput` with `loss`
+            return_dict:Optional[bool]=None,          # True: a `CausalLMOutput`; False: its `to_tuple()`; None: decided by the keywords
+            **kwargs,                                 # transformers' keywords (`HF_FORWARD_KEYWORDS`), e.g. `num_items_in_batch` from `Trainer`
+           ):  # `(logits [batch, seq_len, n_vocab], memory)` (`[]` if `mem_len=0`; the cache with `cache=`), or a `CausalLMOutput`
+    "Logits for `tokens` after `memory`, and the next memory: each layer's inputs on the last `mem_len` positions, detached. With `cache=`, logits after everything in the cache, and the cache (updated in place). Called with transformers' keywords (`input_ids=`, `labels=`, ...): a `CausalLMOutput`."
+    if input_ids is None and labels is None and return_dict is None and not kwargs:
+        return self._forward_tokens(tokens, memory, doc_start, position_ids, attention_mask, cache)
+    return self._forward_causal_lm(tokens, input_ids, labels, return_dict, kwargs, memory=memory, doc_start=doc_start,
+                                   position_ids=position_ids, attention_mask=attention_mask, cache=cache)
+
+@patch
+def _forward_tokens(self:DecoderLM, tokens, memory, doc_start, position_ids, attention_mask, cache) -> tuple:
+    "`forward` called as relpos calls it: `(logits, memory)`, or `(logits, cache)` with `cache`."
+    if tokens is None: raise TypeError("forward needs token ids: forward(tokens [batch, seq_len]) or forward(input_ids=...)")
     if cache is not None:
         if memory is not None and not (isinstance(memory, (list, tuple)) and len(memory) == 0):
             raise ValueError("pass either memory (hidden states, Transformer-XL) or cache (keys and values), not both")
@@ -662,6 +677,77 @@ def forward(self:DecoderLM, tokens:torch.Tensor,      # token ids `[batch, seq_l
         self._knn_restore(before)   # a kNN layer refused the segment (before writing): memories dropped above come back
         raise
 
+# %% ../nbs/09_models.ipynb #hfcall02
+class CausalLMOutput(dict):
+    "What `forward` returns to a transformers-style call: transformers' `ModelOutput` behaviour (keys as attributes, fields left None absent, `out[0]` the first field set)."
+    FIELDS = ('loss', 'logits', 'memory', 'cache')
+    def __init__(self, *args, **kwargs):
+        super().__init__((k, v) for k, v in dict(*args, **kwargs).items() if v is not None)
+
+    def __getattr__(self, name):
+        if name in self: return self[name]
+        if name in self.FIELDS: return None
+        raise AttributeError(f"CausalLMOutput has no field {name!r}; it holds {list(self)}")
+
+    def __getitem__(self, key): return self.to_tuple()[key] if isinstance(key, (int, slice)) else super().__getitem__(key)
+    def to_tuple(self) -> tuple: return tuple(self.values())
+
+def causal_lm_loss(logits:torch.Tensor,  # `[batch, seq_len, n_vocab]`
+                   labels:torch.Tensor,  # `[batch, seq_len]` ids, -100 = ignored: position t is scored on `labels[:, t + 1]`
+                   num_items_in_batch=None, # None: the mean over the scored positions; else the sum divided by it
+                   ignore_index:int=-100) -> torch.Tensor:
+    "transformers' `ForCausalLMLoss`: cross-entropy of each position's logits against the next label."
+    if logits.dtype in (torch.float16, torch.bfloat16): logits = logits.float()   # transformers' upcast; float64 stays
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[:, 1:].to(logits.device)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=ignore_index,
+                           reduction='mean' if num_items_in_batch is None else 'sum')
+    if num_items_in_batch is None: return loss
+    return loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+
+# what transformers' Trainer reads: the loss is ForCausalLMLoss (so it counts the scored tokens as labels[:, 1:] for
+# num_items_in_batch), and forward takes that count
+DecoderLM.loss_type, DecoderLM.accepts_loss_kwargs = 'ForCausalLM', True
+
+# transformers' keywords forward takes besides input_ids, labels and return_dict; the others are refused by name
+HF_FORWARD_KEYWORDS = ('num_items_in_batch', 'use_cache', 'output_attentions', 'output_hidden_states', 'past_key_values',
+                       'inputs_embeds')
+
+@patch
+def _check_labels(self:DecoderLM, labels, shape) -> torch.Tensor:
+    "`labels`: integer `[batch, seq_len]` of the tokens' shape, ids in `[0, n_vocab)` or -100."
+    if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        got = f"dtype {labels.dtype}" if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise TypeError(f"labels must be an integer torch.Tensor [batch, seq_len] (token ids, -100 = ignored), got {got}")
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(f"labels must have the shape of the tokens {tuple(shape)}, got {tuple(labels.shape)}")
+    labels = labels.long()
+    bad = (labels != -100) & ((labels < 0) | (labels >= self.n_vocab))
+    if bool(bad.any()):
+        raise ValueError(f"labels must be ids in [0, n_vocab={self.n_vocab}) or -100 (ignored), got {labels[bad][0].item()}")
+    return labels
+
+@patch
+def _forward_causal_lm(self:DecoderLM, tokens, input_ids, labels, return_dict, kwargs:dict, **call):
+    "`forward` called as transformers calls a causal LM: a `CausalLMOutput` (`return_dict=False`: its tuple)."
+    if tokens is not None and input_ids is not None: raise TypeError("pass the token ids once: tokens or input_ids=, not both")
+    tokens = input_ids if tokens is None else tokens
+    unknown = sorted(set(kwargs) - set(HF_FORWARD_KEYWORDS))
+    if unknown: raise TypeError(f"forward got unexpected keyword argument(s) {unknown}; transformers' keywords it takes: "
+                                f"input_ids, labels, return_dict, {', '.join(HF_FORWARD_KEYWORDS)}")
+    for k in ('output_attentions', 'output_hidden_states', 'past_key_values', 'inputs_embeds'):
+        if kwargs.get(k) not in (None, False):
+            raise ValueError(f"{k}={kwargs[k]!r}: DecoderLM returns no attention weights or hidden states and takes token "
+                             f"ids, not embeddings (its own K/V cache is cache=new_cache(...)); pass {k}=None")
+    if labels is not None and isinstance(tokens, torch.Tensor): labels = self._check_labels(labels, tokens.shape)
+    logits, state = self._forward_tokens(tokens, **call)
+    loss = None
+    if labels is not None:
+        loss = causal_lm_loss(logits, labels, kwargs.get('num_items_in_batch'))
+        if self.memorizing_layers: loss = loss + self.get_loss_component()   # the kNN gates' auxiliary loss
+    out = CausalLMOutput(loss=loss, logits=logits, memory=state if call['cache'] is None and state else None,
+                         cache=call['cache'])
+    return out.to_tuple() if return_dict is False else out
+
 # %% ../nbs/09_models.ipynb #d92bb417
 def _dry_run_apply(module:nn.Module, fn:Callable):
     "Run `module._apply(fn)` on a stand-in of its class holding empty buffers of the same dtypes and devices: its checks, not its contents."
@@ -680,25 +766,48 @@ def _apply(self:DecoderLM, fn, *args, **kwargs):
 
 # %% ../nbs/09_models.ipynb #d35cbcce
 @patch
-def generate(self:DecoderLM, prompt:torch.Tensor, # token ids `[batch, seq_len]`, at least one per row
-             max_new_tokens:int,            # tokens to append
+def generate(self:DecoderLM, prompt:Optional[torch.Tensor]=None, # token ids `[batch, seq_len]`, at least one per row (or `input_ids=`)
+             max_new_tokens:Optional[int]=None, # tokens to append (required)
              temperature:float=1.0,         # divides the logits; 0: greedy (argmax)
-             top_k:Optional[int]=None,      # sample among the `top_k` most likely tokens only
-             generator:Optional[torch.Generator]=None, # random numbers for the sampling
+             top_k:Optional[int]=None,      # sample among the `top_k` most likely tokens only (None: all; transformers' call: None is 50, 0 all)
+             generator:Optional[torch.Generator]=None, # random numbers for the sampling (None: the global ones)
              doc_start:Optional[torch.Tensor]=None, # bool `[batch]`: rows whose document starts with the prompt (kNN memories emptied first; generate starts with no XL memory)
              use_cache:bool=True,           # keys and values in a `relpos.cache.KVCache`; False (or kNN layers, or a builder without a cached path): every layer's inputs
              attention_mask:Optional[torch.Tensor]=None, # `[batch, seq_len]`, 0 where the prompt is padding (left padding: rows of different lengths); needs the cache
              max_cache_len:Optional[int]=None, # tokens a new token attends to, itself included (sliding window); None: all of them. Needs the cache
-            ) -> torch.Tensor:              # `[batch, seq_len + max_new_tokens]` token ids (torch.long)
-    "Sample continuations: the prompt in one pass, then one position per new token, reading the earlier ones from a cache."
+             *,
+             input_ids:Optional[torch.Tensor]=None, # transformers' name for `prompt`
+             do_sample:Optional[bool]=None, # transformers' call: sample (True) or pick the argmax (False, the default)
+             top_p:Optional[float]=None,    # nucleus sampling: the most likely tokens whose probabilities sum to `top_p`
+             repetition_penalty:Optional[float]=None, # > 1: scores of tokens already in the row divided by it (multiplied if negative)
+             eos_token_id=None,             # an id or a list of ids: a row that emits one is finished
+             pad_token_id:Optional[int]=None, # the tokens of finished rows; None: the first `eos_token_id`
+             logits_processor=None,         # transformers' `LogitsProcessorList`, or callables `(input_ids, scores) -> scores`
+             stopping_criteria=None,        # transformers' `StoppingCriteriaList`, or callables `(input_ids, scores) -> bool [batch]` (True: that row is finished)
+             streamer=None,                 # transformers' streamer (`put(tokens)`, `end()`): the prompt, then each step's tokens
+            ) -> torch.Tensor:              # `[batch, seq_len + new]` token ids (torch.long); new = `max_new_tokens` unless every row finished earlier
+    "Sample continuations: the prompt in one pass, then one position per new token, reading the earlier ones from a cache. transformers' arguments make it transformers' `generate` (greedy unless `do_sample=True`)."
+    if input_ids is not None:
+        if prompt is not None: raise TypeError("pass the prompt once: prompt or input_ids=, not both")
+        prompt = input_ids
+    if prompt is None: raise TypeError("generate needs a prompt: generate(prompt [batch, seq_len], max_new_tokens)")
+    if max_new_tokens is None: raise TypeError("generate needs max_new_tokens: the number of tokens to append")
+    hf_call = any(v is not None for v in (input_ids, do_sample, top_p, repetition_penalty, eos_token_id, pad_token_id,
+                                          logits_processor, stopping_criteria, streamer))
     prompt = self._check_tokens(prompt, 'prompt')   # any integer dtype; the result is torch.long
     if prompt.shape[1] == 0: raise ValueError("prompt must hold at least one token per row, got seq_len 0")
     _check_int(max_new_tokens, 'max_new_tokens', 0)
     if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature >= 0):
         raise ValueError(f"temperature must be a float >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None:
-        _check_int(top_k, 'top_k', 1)
-        if top_k > self.n_vocab: raise ValueError(f"top_k must be <= n_vocab={self.n_vocab}, got {top_k}")
+    if hf_call:
+        pick, stop = self._transformers_decoding(attention_mask, temperature, top_k, generator, do_sample, top_p,
+                                                 repetition_penalty, eos_token_id, pad_token_id, logits_processor,
+                                                 stopping_criteria, streamer)
+    else:
+        if top_k is not None:
+            _check_int(top_k, 'top_k', 1)
+            if top_k > self.n_vocab: raise ValueError(f"top_k must be <= n_vocab={self.n_vocab}, got {top_k}")
+        pick, stop = (lambda ids, logits: _sample(logits.float(), temperature, top_k, generator)[:, 0]), None
     if not isinstance(use_cache, bool): raise TypeError(f"use_cache must be a bool, got {type(use_cache).__name__} {use_cache!r}")
     use_cache = use_cache and self.supports_cache()
     if not use_cache and (attention_mask is not None or max_cache_len is not None):
@@ -708,27 +817,9 @@ def generate(self:DecoderLM, prompt:torch.Tensor, # token ids `[batch, seq_len]`
     if max_cache_len is None or self.pos_embed is not None:
         self._check_length(prompt.shape[1] + max_new_tokens - 1, 'prompt seq_len + max_new_tokens - 1')
     else: self._check_length(prompt.shape[1], 'prompt seq_len (attended in one pass)')   # the window bounds the rest
+    if max_new_tokens == 0: return prompt
     with torch.no_grad():   # sampling builds no autograd graph
-        if max_new_tokens == 0: return prompt
-        before = self._knn_start(prompt.shape[0], doc_start)   # kNN layers: the prompt continues the documents in their memories
-        # eval mode for sampling, then every submodule back in its own mode (a frozen layer stays in eval)
-        modes = [(m, m.training) for m in self.modules()]
-        self.eval()
-        try:
-            if use_cache:
-                return self._generate_cached(prompt, max_new_tokens, temperature, top_k, generator, attention_mask, max_cache_len)
-            out = [prompt]
-            try:   # cache: every earlier layer input, kept whole; doc_start: the kNN layers empty those rows first
-                logits, cache = self._run(prompt, None, None, doc_start)
-            except BaseException:
-                self._knn_restore(before); raise
-            for step in range(max_new_tokens):
-                nxt = _sample(logits[:, -1].float(), temperature, top_k, generator)
-                out.append(nxt)
-                if step + 1 < max_new_tokens: logits, cache = self._run(nxt, cache, None)
-        finally:
-            for m, mode in modes: m.training = mode
-        return torch.cat(out, dim=1)
+        return self._decode(prompt, max_new_tokens, pick, stop, use_cache, attention_mask, max_cache_len, doc_start)
 
 def _sample(logits, temperature, top_k, generator):
     "Next token `[batch, 1]` from `logits [batch, n_vocab]`."
@@ -746,6 +837,51 @@ def _sample(logits, temperature, top_k, generator):
         scaled = scaled.masked_fill(scaled < kth, float('-inf'))
     return torch.multinomial(scaled.softmax(-1), 1, generator=generator)
 
+# %% ../nbs/09_models.ipynb #decode01
+@patch
+def _decode(self:DecoderLM, prompt, max_new_tokens:int,
+            pick:Callable,   # `(ids so far [batch, t], logits [batch, n_vocab]) -> next ids [batch]`
+            stop,            # None, or `_Stopping` (transformers' call): EOS, padding, criteria, streamer
+            use_cache:bool, attention_mask, max_cache_len, doc_start) -> torch.Tensor:
+    "The decoding loop (arguments checked): the prompt in one pass, then one position per new token, with the K/V cache or the layers' inputs."
+    b, n = prompt.shape
+    out = prompt.new_empty(b, n + max_new_tokens)
+    out[:, :n] = prompt
+    before = self._knn_start(b, doc_start)   # kNN layers: the prompt continues the documents in their memories
+    # eval mode for sampling, then every submodule back in its own mode (a frozen layer stays in eval)
+    modes = [(m, m.training) for m in self.modules()]
+    self.eval()
+    try:
+        if use_cache:
+            cache = self.new_cache(b, max(1, n + max_new_tokens - 1) if max_cache_len is None else max_cache_len)
+            q_pos, valid = self._cache_positions(cache, n, attention_mask, None, None)
+            if self.pos_embed is not None and q_pos.numel() and int(q_pos.max()) + max_new_tokens - 1 >= self.max_len:
+                raise ValueError(f"prompt and max_new_tokens reach position {int(q_pos.max()) + max_new_tokens - 1}, but "
+                                 f"position='absolute' covers positions < max_len={self.max_len}")
+            logits = self._cached_run(prompt, cache, q_pos, valid, last_only=True)[:, -1]
+            step = lambda nxt: self._cached_run(nxt, cache, cache.next_position[:, None], None)[:, -1]
+        else:
+            try:   # memory: every earlier layer input, kept whole; doc_start: the kNN layers empty those rows first
+                logits, memory = self._run(prompt, None, None, doc_start)
+            except BaseException:
+                self._knn_restore(before); raise
+            logits = logits[:, -1]
+            def step(nxt):
+                nonlocal memory
+                logits, memory = self._run(nxt, memory, None)
+                return logits[:, -1]
+        if stop is not None: stop.start(prompt)
+        for t in range(max_new_tokens):
+            nxt = pick(out[:, :n + t], logits)
+            if stop is not None: nxt = stop.pad_finished(nxt)
+            out[:, n + t] = nxt
+            if stop is not None and stop.update(out[:, :n + t + 1]): return out[:, :n + t + 1]
+            if t + 1 < max_new_tokens: logits = step(out[:, n + t, None])
+        return out
+    finally:
+        for m, mode in modes: m.training = mode
+        if stop is not None: stop.end()
+
 # %% ../nbs/09_models.ipynb #abfa930b
 # DecoderLM's cached decoding (new_cache, forward_cached, generate's K/V cache) is chapter 9a's, relpos.cache,
 # which imports this module: imported last, so that either import order finds DecoderLM defined
@@ -759,6 +895,240 @@ def from_transformers(cls:DecoderLM, model:nn.Module, # a causal LM of `relpos.h
     "A `DecoderLM` with the architecture and weights of a transformers causal LM (`relpos.hf.decoder_from_transformers`)."
     from relpos.hf import decoder_from_transformers   # at call time: relpos.hf imports this module
     return decoder_from_transformers(model, position, **position_kwargs)
+
+@patch
+def to_transformers(self:DecoderLM, ignore_dropout:bool=False, # convert although transformers' class drops out in fewer places
+                    **token_ids) -> nn.Module:                  # `bos_token_id`, `eos_token_id`, `pad_token_id` for its config
+    "The transformers causal LM with this model's architecture and weights (`relpos.hf.decoder_to_transformers`)."
+    from relpos.hf import decoder_to_transformers   # at call time: relpos.hf imports this module
+    return decoder_to_transformers(self, ignore_dropout, **token_ids)
+
+# %% ../nbs/09_models.ipynb #hfgen02
+class RepetitionPenaltyProcessor:
+    "transformers' `RepetitionPenaltyLogitsProcessor`: the scores of tokens already in a row divided by `penalty` (multiplied where negative)."
+    def __init__(self, penalty:float,                    # > 1 discourages repeating
+                 prompt_ignore_length:Optional[torch.Tensor]=None): # int `[batch]`: leading positions not counted (left padding)
+        self.penalty, self.prompt_ignore_length = penalty, prompt_ignore_length
+
+    def __call__(self, input_ids:torch.Tensor, scores:torch.Tensor) -> torch.Tensor:
+        v = scores.shape[-1]
+        if self.prompt_ignore_length is not None:   # ignored positions point at an extra column, dropped at the end
+            pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+            input_ids = input_ids.masked_fill(pos[None] < self.prompt_ignore_length[:, None], v)
+        input_ids, scores = input_ids.clamp(max=v), F.pad(scores, (0, 1))
+        score = scores.gather(1, input_ids)
+        score = torch.where(score < 0, score * self.penalty, score / self.penalty)
+        return scores.scatter(1, input_ids, score)[:, :v]
+
+class TemperatureProcessor:
+    "transformers' `TemperatureLogitsWarper`: scores divided by `temperature`."
+    def __init__(self, temperature:float): self.temperature = temperature
+    def __call__(self, input_ids, scores): return scores / self.temperature
+
+class TopKProcessor:
+    "transformers' `TopKLogitsWarper`: scores below the `top_k`-th largest set to -inf."
+    def __init__(self, top_k:int): self.top_k = top_k
+    def __call__(self, input_ids, scores):
+        kth = scores.topk(min(self.top_k, scores.shape[-1]))[0][..., -1, None]
+        return scores.masked_fill(scores < kth, float('-inf'))
+
+class TopPProcessor:
+    "transformers' `TopPLogitsWarper`: keep the most likely tokens whose probabilities sum to `top_p` (at least one)."
+    def __init__(self, top_p:float): self.top_p = top_p
+    def __call__(self, input_ids, scores):
+        sorted_scores, order = torch.sort(scores, descending=False)
+        drop = sorted_scores.softmax(-1).cumsum(-1) <= (1 - self.top_p)
+        drop[..., -1:] = False
+        return scores.masked_fill(drop.scatter(1, order, drop), float('-inf'))
+
+# %% ../nbs/09_models.ipynb #hfgen03
+import warnings
+
+def _callables(x, name:str) -> list:
+    "`logits_processor` / `stopping_criteria`: None, one callable, or a list of callables (transformers' `...List` is one)."
+    if x is None: return []
+    items = list(x) if isinstance(x, (list, tuple)) else [x]
+    for i, f in enumerate(items):
+        if not callable(f):
+            raise TypeError(f"{name} must be a list of callables (input_ids, scores) (transformers' "
+                            f"{'LogitsProcessorList' if name == 'logits_processor' else 'StoppingCriteriaList'}), "
+                            f"got {type(f).__name__} at index {i}")
+    return items
+
+class _Stopping:
+    "transformers' end of a row: an EOS (then padding), a stopping criterion; and its streamer."
+    def __init__(self, eos:Optional[torch.Tensor], pad:Optional[int], criteria:list, streamer):
+        self.eos, self.pad, self.criteria, self.streamer = eos, pad, criteria, streamer
+        self.unfinished = None
+
+    def start(self, prompt):
+        self.unfinished = torch.ones(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+        if self.streamer is not None: self.streamer.put(prompt.cpu())
+
+    def pad_finished(self, nxt):   # transformers pads finished rows only when it has an EOS
+        return nxt if self.eos is None else torch.where(self.unfinished, nxt, torch.full_like(nxt, self.pad))
+
+    def update(self, ids) -> bool:
+        "After a step: mark the rows that finished; True when every row has."
+        if self.streamer is not None: self.streamer.put(ids[:, -1].cpu())
+        if self.eos is not None: self.unfinished &= ~torch.isin(ids[:, -1], self.eos)
+        for c in self.criteria:   # transformers passes no scores unless asked to keep them
+            done = torch.as_tensor(c(ids, None), device=ids.device)
+            self.unfinished &= ~done.to(torch.bool).expand(ids.shape[0])
+        return not bool(self.unfinished.any())
+
+    def end(self):
+        if self.streamer is not None: self.streamer.end()
+
+def _token_ids(x, name:str, n_vocab:int) -> List[int]:
+    "`eos_token_id` / `pad_token_id`: an id or a list of ids in `[0, n_vocab)`."
+    ids = list(x) if isinstance(x, (list, tuple)) else [x]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_vocab for i in ids):
+        raise ValueError(f"{name} must be a token id or a list of token ids in [0, n_vocab={n_vocab}), got {x!r}")
+    return ids
+
+@patch
+def _transformers_decoding(self:DecoderLM, attention_mask, temperature, top_k, generator, do_sample, top_p,
+                           repetition_penalty, eos_token_id, pad_token_id, logits_processor, stopping_criteria, streamer):
+    "`(pick, stop)` for `_decode`: transformers' processors in its order, then `argmax` or `multinomial`; EOS, padding, criteria, streamer."
+    if do_sample is None: do_sample = False   # transformers' default
+    if not isinstance(do_sample, bool): raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__} {do_sample!r}")
+    if top_k is not None: _check_int(top_k, 'top_k', 0)
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 <= top_p <= 1):
+        raise ValueError(f"top_p must be a float in [0, 1], got {top_p!r}")
+    if repetition_penalty is not None and (isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float))
+                                           or not repetition_penalty > 0):
+        raise ValueError(f"repetition_penalty must be a float > 0 (1: none), got {repetition_penalty!r}")
+    if streamer is not None and not (callable(getattr(streamer, 'put', None)) and callable(getattr(streamer, 'end', None))):
+        raise TypeError(f"streamer must have put(tokens) and end() (transformers' BaseStreamer), got {type(streamer).__name__}")
+    eos = None if eos_token_id is None else _token_ids(eos_token_id, 'eos_token_id', self.n_vocab)
+    if pad_token_id is None and eos is not None: pad_token_id = eos[0]   # transformers' choice, without its warning
+    if pad_token_id is not None: pad_token_id = _token_ids(pad_token_id, 'pad_token_id', self.n_vocab)[0]
+    processors = []
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        # transformers counts no left padding of the prompt: the leading positions where attention_mask is 0
+        ignore = None if attention_mask is None else (attention_mask != 0).int().argmax(dim=1)
+        processors.append(RepetitionPenaltyProcessor(float(repetition_penalty), ignore))
+    processors += _callables(logits_processor, 'logits_processor')
+    if do_sample:
+        if temperature == 0: raise ValueError("temperature must be > 0 with do_sample=True (do_sample=False is greedy)")
+        if temperature != 1.0: processors.append(TemperatureProcessor(float(temperature)))
+        if top_k != 0: processors.append(TopKProcessor(50 if top_k is None else top_k))   # transformers' default top_k
+        if top_p is not None and top_p < 1.0: processors.append(TopPProcessor(float(top_p)))
+    else:
+        ignored = [f"{k}={v!r}" for k, v, off in (('temperature', temperature, (0, 1.0)), ('top_k', top_k, (None,)),
+                                                  ('top_p', top_p, (None, 1.0))) if v not in off]
+        if ignored: warnings.warn(f"generate: {', '.join(ignored)} ignored: a call with transformers' arguments is greedy "
+                                  f"unless do_sample=True (as in transformers)", UserWarning, stacklevel=3)
+    def pick(ids, logits):
+        scores = logits.float()   # transformers processes float32 scores, whatever the model's dtype
+        for p in processors: scores = p(ids, scores)
+        if do_sample: return torch.multinomial(scores.softmax(-1), 1, generator=generator)[:, 0]
+        return scores.argmax(-1)
+    eos = None if eos is None else torch.tensor(eos, device=self.src_embed.weight.device)
+    return pick, _Stopping(eos, pad_token_id, _callables(stopping_criteria, 'stopping_criteria'), streamer)
+
+# %% ../nbs/09_models.ipynb #save02
+import json, importlib, sys
+from pathlib import Path
+
+def _safetensors():
+    "safetensors.torch, or an ImportError saying how to get it."
+    try: return importlib.import_module('safetensors.torch')
+    except ImportError as e:
+        raise ImportError("save_pretrained / from_pretrained need the safetensors package: pip install safetensors "
+                          "(transformers installs it)") from e
+
+def _to_json(v, name:str):
+    "A constructor argument as JSON; tuples, dtypes and importable classes or functions tagged for `_from_json`."
+    if v is None or isinstance(v, (bool, int, float, str)): return v
+    if isinstance(v, (list, tuple)):
+        items = [_to_json(x, f"{name}[{i}]") for i, x in enumerate(v)]
+        return {'__tuple__': items} if isinstance(v, tuple) else items
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v): return {k: _to_json(x, f"{name}[{k!r}]") for k, x in v.items()}
+    if isinstance(v, torch.dtype): return {'__dtype__': str(v).split('.')[-1]}
+    if isinstance(v, type) or callable(v) and hasattr(v, '__qualname__') and hasattr(v, '__module__'):
+        if '<' not in v.__qualname__: return {'__import__': f"{v.__module__}:{v.__qualname__}"}
+    raise ValueError(f"save_pretrained: {name}={v!r} cannot be written to config.json (JSON values, tuples, dtypes and "
+                     f"classes or functions defined at module level can); define it at module level")
+
+def _from_json(v, name:str):
+    "Inverse of `_to_json`: an import path that no longer resolves is an error naming the argument."
+    if isinstance(v, list): return [_from_json(x, name) for x in v]
+    if not isinstance(v, dict): return v
+    if '__tuple__' in v: return tuple(_from_json(x, name) for x in v['__tuple__'])
+    if '__dtype__' in v: return getattr(torch, v['__dtype__'])
+    if '__import__' in v:
+        module, qualname = v['__import__'].split(':')
+        try:
+            obj = sys.modules[module] if module == '__main__' else importlib.import_module(module)
+            for part in qualname.split('.'): obj = getattr(obj, part)
+            return obj
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"from_pretrained: {name} is {v['__import__']}, which cannot be imported here ({e}); pass "
+                             f"{name}=<it> to from_pretrained") from None
+    return {k: _from_json(x, f"{name}[{k!r}]") for k, x in v.items()}
+
+@patch
+def to_config(self:DecoderLM) -> dict:
+    "The constructor arguments that rebuild this model: `type(lm)(**lm.to_config())` has the same parameters."
+    # a value that follows another argument is recorded as None (follow it), so that from_pretrained(dir, dropout=p) moves it too
+    follow = lambda value, leader: None if value == leader else value
+    return dict(n_vocab=self.n_vocab, d_model=self.d_model, heads=self.heads, n_layers=len(self.layers), d_ff=self.d_ff,
+                position=self.position, mem_len=self.mem_len, dropout=self.dropout_p, max_len=self.max_len,
+                memorizing_layers=self.memorizing_layers, knn_capacity=self.knn_capacity, top_k=self.top_k,
+                knn_memory=self.knn_memory, knn_memory_kwargs=self.knn_memory_kwargs or None, nope_layers=self.nope_layers,
+                norm=self.norm_kind, ffn=self.ffn_kind, bias=self.bias, head_bias=follow(self.generator.bias is not None, self.bias),
+                norm_eps=self.norm_eps, parallel_residual=self.parallel_residual, tie_embeddings=self.tie_embeddings,
+                kv_heads=self.kv_heads, head_dim=self.head_dim, attention_dropout=follow(self.attention_dropout, self.dropout_p),
+                residual_dropout=follow(self.residual_dropout, self.dropout_p),
+                ffn_dropout=follow(self.ffn_dropout, self.dropout_p),
+                embedding_dropout=follow(self.embedding_dropout, self.residual_dropout), qkv_bias=self.qkv_bias,
+                qk_norm=self.qk_norm, sliding_window=self.sliding_window, pre_norm=self.pre_norm, post_norm=self.post_norm,
+                **self.position_kwargs)
+
+@patch
+def save_pretrained(self:DecoderLM, directory, # created if missing; `config.json` and `model.safetensors` are overwritten
+                   ) -> Path:                   # the directory
+    "Write `config.json` (the constructor arguments, `to_config()`) and `model.safetensors` (the weights, a tied one once)."
+    st = _safetensors()
+    init = {k: _to_json(v, k) for k, v in self.to_config().items()}
+    tensors, aliases, seen = {}, {}, {}
+    for name, t in self.state_dict().items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())   # the same tensor under another name: tied weights
+        if t.numel() and key in seen: aliases[name] = seen[key]; continue
+        seen[key], tensors[name] = name, t.detach().cpu().contiguous()
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {'library': 'relpos', 'class': f"{type(self).__module__}:{type(self).__qualname__}",
+              'dtype': str(self.src_embed.weight.dtype).split('.')[-1], 'init': init}
+    (path / 'config.json').write_text(json.dumps(config, indent=2) + '\n')
+    st.save_file(tensors, str(path / 'model.safetensors'), metadata={'format': 'pt', 'aliases': json.dumps(aliases)})
+    return path
+
+@patch(cls_method=True)
+def from_pretrained(cls:DecoderLM, directory,  # written by `save_pretrained`
+                    device=None,                # where the model goes (default: the CPU)
+                    **init) -> DecoderLM:      # constructor arguments to change, e.g. `dropout=0.1` (not the weights' shapes)
+    "The model `save_pretrained` wrote: built from `config.json` (and `init`), in the weights' dtype, weights loaded, in eval mode."
+    path = Path(directory)
+    missing = [f for f in ('config.json', 'model.safetensors') if not (path / f).is_file()]
+    if missing: raise FileNotFoundError(f"from_pretrained: {path} has no {' or '.join(missing)} (written by save_pretrained)")
+    config = json.loads((path / 'config.json').read_text())
+    if config.get('library') != 'relpos':
+        raise ValueError(f"from_pretrained: {path / 'config.json'} was not written by relpos's save_pretrained; a transformers "
+                         f"checkpoint loads with transformers, then DecoderLM.from_transformers(model)")
+    kwargs = {k: _from_json(v, k) for k, v in config['init'].items() if k not in init}
+    st = _safetensors()
+    with st.safe_open(str(path / 'model.safetensors'), framework='pt') as f:
+        aliases = json.loads((f.metadata() or {}).get('aliases', '{}'))
+    weights = st.load_file(str(path / 'model.safetensors'))
+    weights.update({name: weights[to] for name, to in aliases.items()})
+    lm = cls(**kwargs, **init).to(weights['src_embed.weight'].dtype)
+    for name, t in [*lm.named_parameters(), *lm.named_buffers()]:
+        if name in weights and weights[name].dtype != t.dtype: t.data = t.data.to(weights[name].dtype)   # mixed dtypes kept
+    lm.load_state_dict(weights, strict=True)
+    return lm.to(device).eval()
 
 # %% ../nbs/09_models.ipynb #612e405e
 def labml_xl_state_dict(state_dict:dict, # a labml_nn Transformer-XL `AutoregressiveModel` (or `TransformerXLModel`) state_dict
