@@ -28,10 +28,11 @@ def xpos_scale(positions:torch.Tensor,         # integer positions `[..., n]`: t
                scale_base:float=512.0,         # gamma: tokens over which pair f decays by the factor zeta_f
                interleaved:bool=True,          # pair layout: interleaved (x-transformers) or halves (GPT-NeoX)
                dtype:torch.dtype=torch.float32,
+               centre=None,                    # c: None, x-transformers' floor((max t + 1) / 2); or ints broadcasting against `positions`
               ) -> torch.Tensor:               # `[..., n, rotary_dim]`: sigma_f(t) per feature
     "xPos's scale $\\sigma_f(t) = \\zeta_f^{(t - c)/\\gamma}$ of every position and feature, centred on $c = \\lfloor(\\max t + 1)/2\\rfloor$; queries multiply by it, keys divide by it."
     zeta = xpos_zeta(rotary_dim, dtype, positions.device)
-    centre = (positions.max() + 1) // 2 if positions.numel() else 0       # x-transformers' max_pos // 2
+    if centre is None: centre = (positions.max() + 1) // 2 if positions.numel() else 0   # x-transformers' max_pos // 2
     scale = zeta ** ((positions - centre).to(dtype) / scale_base)[..., None]
     return scale.repeat_interleave(2, -1) if interleaved else torch.cat([scale, scale], -1)
 

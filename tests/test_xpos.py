@@ -269,10 +269,11 @@ def test_state_dict_is_plain_mha_and_round_trips(): check_state_dict_is_plain_mh
 def test_dropout_training_path_runs(): check_dropout_training_path_runs(make())
 
 
-def test_no_silent_rotary_cache():
-    "Until the cache has xPos hooks of its own, a K/V cache refuses the layer (the rotary layer's hooks would drop the decay)."
-    from relpos.cache import supports_cache
-    assert not supports_cache(XPosMultiHeadAttention(2, 16))
+def test_cache_has_hooks_of_its_own():
+    "The K/V cache takes the layer through xPos's own hooks (the rotary layer's would drop the decay)."
+    from relpos.cache import supports_cache, _definer, _CACHE_HOOKS
+    from relpos.xpos import XPosMultiHeadAttention as X
+    assert supports_cache(X(2, 16)) and 'cache_attend' in vars(X) and 'cache_prefill_ok' in vars(X)
 
 
 # ---------------------------------------------------------------- bad inputs
@@ -301,3 +302,61 @@ def test_bad_calls():
     with pytest.raises(TypeError, match='position_ids must have an integer dtype'): run(m, short, short, position_ids=torch.arange(6.0))
     with pytest.raises(ValueError, match=r'mask must have shape'): run(m, short, short, torch.ones(6, 5, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match=r'query has dtype torch.float64'): run(m, short.double(), short.double())
+
+
+# ---------------------------------------------------------------- DecoderLM(position=...) and the K/V cache
+def _lm(position, **kw):
+    "A float64 DecoderLM, every parameter perturbed (and the position parameters spread over their ranges)."
+    from relpos.models import DecoderLM
+    torch.manual_seed(0)
+    lm = DecoderLM(13, d_model=16, heads=2, n_layers=2, position=position, **kw).double().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lm.parameters(): p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return lm
+
+
+def _decode(lm, seq, prompt_len, window, chunks=None, attention_mask=None):
+    "Logits of a prompt in one pass, then the rest one token at a time (or in `chunks`), through a cache of `window` tokens."
+    cache = lm.new_cache(seq.shape[0], window or seq.shape[1])
+    with torch.no_grad():
+        out = [lm(seq[:, :prompt_len], cache=cache, attention_mask=attention_mask)[0]]
+        steps = chunks or [1] * (seq.shape[1] - prompt_len)
+        i = prompt_len
+        for c in steps: out.append(lm(seq[:, i:i + c], cache=cache)[0]); i += c
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize('window', [None, 4])
+@pytest.mark.parametrize('kw', [dict(), dict(rotary_dim=4), dict(interleaved=False, kv_heads=1)])
+def test_cached_decoding_equals_full_model(kw, window):
+    "DecoderLM(position='xpos'): a prompt, then one token at a time, then chunks: the full model's logits (same window), float64 <= 1e-10."
+    from relpos.cache import full_logits
+    lm = _lm('xpos', scale_base=4.0, **kw)                    # a short scale base: the decay matters over 16 tokens
+    seq = torch.randint(0, 13, (3, 16), generator=torch.Generator().manual_seed(1))
+    want = full_logits(lm, seq, max_cache_len=window)
+    assert (_decode(lm, seq, 5, window) - want).abs().max() <= 1e-10
+    assert (_decode(lm, seq, 3, window, chunks=[4, 1, 6, 2]) - want).abs().max() <= 1e-10
+
+
+def test_cached_decoding_left_padded():
+    "A left-padded prompt: each row's cached logits equal the full model on that row alone."
+    from relpos.cache import full_logits
+    lm = _lm('xpos', scale_base=4.0)
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 13, (9,), generator=g), torch.randint(0, 13, (12,), generator=g)
+    seq = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), a]), b])
+    mask = torch.stack([torch.tensor([0] * 3 + [1] * 9), torch.ones(12, dtype=torch.long)])
+    got = _decode(lm, seq, 6, None, attention_mask=mask[:, :6])
+    assert (got[0, 3:] - full_logits(lm, a[None])[0]).abs().max() <= 1e-10
+    assert (got[1] - full_logits(lm, b[None])[0]).abs().max() <= 1e-10
+
+
+def test_decoder_lm_position_kwargs():
+    from relpos.models import DecoderLM, POSITIONS
+    assert 'xpos' in POSITIONS
+    lm = DecoderLM(11, d_model=16, heads=2, n_layers=1, position='xpos', scale_base=64.0)
+    assert lm.layers[0].self_attn.module.scale_base == 64.0
+    with pytest.raises(ValueError, match='scale_base must be'): DecoderLM(11, d_model=16, heads=2, position='xpos', scale_base=-1)
+    prompt = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(lm.generate(prompt, 6, temperature=0), lm.generate(prompt, 6, temperature=0, use_cache=False))
