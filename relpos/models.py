@@ -400,7 +400,7 @@ class DecoderLM(nn.Module):
                             parallel_residual=self.parallel_residual, pre_norm=self.pre_norm, post_norm=self.post_norm)
 
 # %% ../nbs/09_models.ipynb #d7b9adb4
-KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire') # positions a kNN layer can take as its local side
+KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire', 'kerple', 'xpos') # positions a kNN layer can take as its local side
 
 @patch
 def make_memorizing(self:DecoderLM, layer:int,  # index of the layer
