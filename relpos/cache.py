@@ -20,6 +20,8 @@ from .t5 import T5MultiHeadAttention
 from .fourier import FourierMultiHeadAttention
 from .shaw import RelationAwareMultiHeadAttention, masked_score
 from .fire import FireMultiHeadAttention, fire_psi
+from .kerple import KerpleMultiHeadAttention
+from .xpos import XPosMultiHeadAttention, xpos_scale
 from .models import DecoderLM, _check_int, _sample
 
 # %% ../nbs/09a_cache.ipynb #f76b6afe
@@ -515,6 +517,46 @@ def cache_position_term(self:FireMultiHeadAttention, q, step, layer):
 def cache_prefill_ok(self:FireMultiHeadAttention, step):
     "The fast path places query i at index i: right for a prompt without padding (ids = indices), not for a left-padded one."
     return step.new_valid is None
+
+# %% ../nbs/09a_cache.ipynb #kerplec2
+@patch
+def cache_table_inputs(self:KerpleMultiHeadAttention): return self.positions.bias_p, self.positions.bias_a
+
+@patch
+def cache_tables(self:KerpleMultiHeadAttention, L:int, dtype):
+    "`[heads, L]`: the kernel at the distances $d = -(L-1) .. 0$ of the window (`KerpleBias.bias_of`)."
+    return self.positions.bias_of(torch.arange(-(L - 1), 1, device=self.positions.bias_p.device))
+
+@patch
+def cache_position_term(self:KerpleMultiHeadAttention, q, step, layer):
+    return q, _gather_distance(_layer_tables(self, step, layer), step)
+
+@patch
+def cache_prefill_ok(self:KerpleMultiHeadAttention, step):
+    "The fast path places tokens by index: right unless a row has padding between two of its tokens."
+    return step.tokens_contiguous()
+
+# %% ../nbs/09a_cache.ipynb #xposc2
+@patch
+def cache_prefill_ok(self:XPosMultiHeadAttention, step):
+    "Never: the scales are taken in `cache_attend`, from the position ids, for the prompt too."
+    return False
+
+@patch
+def cache_attend(self:XPosMultiHeadAttention, q, k, v, step, layer):
+    "Queries and cached keys arrive rotated; pair f of each is scaled around the row's newest position c, by $\\zeta_f^{(i-c)/\\gamma}$ and $\\zeta_f^{(c-j)/\\gamma}$, then SDPA."
+    rd = self.rotary_dim
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    c = step.q_pos.amax(1, keepdim=True)                                          # [b, 1]
+    # keys after c (empty slots, keys a query may not see) get c's scale: masked anyway, and kept finite
+    k_pos = torch.minimum(step.key_positions(), c)
+    sq = xpos_scale(step.q_pos, rd, self.scale_base, self.interleaved, dtype, centre=c)[:, None]     # [b, 1, n, rd]
+    sk = 1 / xpos_scale(k_pos, rd, self.scale_base, self.interleaved, dtype, centre=c)[:, None]      # [b, 1, keys, rd]
+    q = torch.cat([q[..., :rd] * sq.to(q.dtype), q[..., rd:]], -1)
+    k = torch.cat([k[..., :rd] * sk.to(k.dtype), k[..., rd:]], -1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask(), scale=self.scale,
+                                          dropout_p=self.dropout.p if self.training else 0.0,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 # %% ../nbs/09a_cache.ipynb #86ff9f7c
 @patch

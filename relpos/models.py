@@ -25,6 +25,8 @@ from .rotary import RotaryMultiHeadAttention
 from .alibi import ALiBiMultiHeadAttention
 from .t5 import T5MultiHeadAttention
 from .fire import FireMultiHeadAttention
+from .kerple import KerpleMultiHeadAttention
+from .xpos import XPosMultiHeadAttention
 from .memorizing import MemorizingAttention, KNNMemory, _check_knn_memory
 
 # %% ../nbs/09_models.ipynb #396f09e8
@@ -126,6 +128,8 @@ POSITION_BUILDERS: Dict[str, Callable] = {
     'alibi': LabmlPosition(ALiBiMultiHeadAttention),     # a fixed linear penalty per head on the distance (Press et al.)
     't5': LabmlPosition(T5MultiHeadAttention),           # a learned bias per head for each of 32 log-spaced distance buckets (T5)
     'fire': LabmlPosition(FireMultiHeadAttention),       # a learned MLP of the log distance normalised by the query's position (FIRE)
+    'kerple': LabmlPosition(KerpleMultiHeadAttention),   # a learned kernel of the distance per head, log or power (KERPLE; `kernel=`)
+    'xpos': LabmlPosition(XPosMultiHeadAttention),       # rotary with a decay per pair, causal (xPos)
 }
 POSITIONS = tuple(POSITION_BUILDERS)
 
@@ -231,7 +235,7 @@ def normalise_heads(module:MultiHeadAttention, # its `query` and `key` become `N
         setattr(module, name, new.to(old.linear.weight))   # the module's dtype and device
 
 # %% ../nbs/09_models.ipynb #06c88111
-GQA_POSITIONS = ('none', 'rotary', 'alibi', 't5')   # positions whose attention takes kv_heads, head_dim and bias=False
+GQA_POSITIONS = ('none', 'rotary', 'alibi', 't5', 'kerple', 'xpos')   # positions whose attention takes kv_heads, head_dim and bias=False
 BIAS_POSITIONS = GQA_POSITIONS + ('fourier', 'fire')   # positions whose attention takes bias=False (query/key/value without biases)
 
 def _check_layers(layers, n_layers:int, name:str='memorizing_layers') -> Tuple[int, ...]:
@@ -398,7 +402,7 @@ class DecoderLM(nn.Module):
                             parallel_residual=self.parallel_residual, pre_norm=self.pre_norm, post_norm=self.post_norm)
 
 # %% ../nbs/09_models.ipynb #d7b9adb4
-KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire') # positions a kNN layer can take as its local side
+KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire', 'kerple', 'xpos') # positions a kNN layer can take as its local side
 
 @patch
 def make_memorizing(self:DecoderLM, layer:int,  # index of the layer
