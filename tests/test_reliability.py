@@ -77,6 +77,8 @@ ATTN = {
     ("rotary", "RotaryMultiHeadAttention"): lambda mod: mod.RotaryMultiHeadAttention(H, D, dropout_prob=0.0),
     ("alibi", "ALiBiMultiHeadAttention"): lambda mod: mod.ALiBiMultiHeadAttention(H, D, dropout_prob=0.0),
     ("fire", "FireMultiHeadAttention"): lambda mod: mod.FireMultiHeadAttention(H, D, dropout_prob=0.0, init_L=3.5),
+    ("kerple", "KerpleMultiHeadAttention"): lambda mod: mod.KerpleMultiHeadAttention(H, D, dropout_prob=0.0),
+    ("xpos", "XPosMultiHeadAttention"): lambda mod: mod.XPosMultiHeadAttention(H, D, dropout_prob=0.0),
 }
 
 
