@@ -232,3 +232,43 @@ def test_no_scalar_parameters_and_scalar_checkpoints_load():
     for a, b in zip(*outs): assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match='size mismatch'):     # a wrong shape is still refused
         loaded.load_state_dict({**old, 'layers.0.self_attn.module.positions.c': torch.ones(2, dtype=torch.float64)})
+
+
+class PaperFIRE(torch.nn.Module):
+    "The paper's listing (Li et al. 2023, appendix), transcribed: the reference `FireBias` must equal bit for bit."
+    def __init__(self, num_heads=12, mlp_width=32, init_c=0.1, init_L=512., eps=1e-6):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(1, mlp_width), torch.nn.ReLU(), torch.nn.Linear(mlp_width, num_heads))
+        self.c = torch.nn.Parameter(torch.tensor(init_c))
+        self.init_L = torch.nn.Parameter(torch.tensor(init_L), requires_grad=False)
+        self.L_multiplier = torch.nn.Parameter(torch.tensor(1.0))
+        self.eps = eps
+
+    def forward(self, x):
+        seq_length = x.size(1)
+        positions = torch.arange(seq_length, dtype=torch.float, device=x.device)
+        rel_distance = positions[:, None] - positions[None, :]
+        threshold = torch.abs(self.L_multiplier * self.init_L)
+        pos_normalizer = torch.max(positions, threshold)[:, None]
+        rel_distance = torch.log(torch.abs(self.c * rel_distance) + 1)
+        pos_normalizer = torch.log(torch.abs(self.c * pos_normalizer) + 1) + self.eps
+        normalized_distance = rel_distance / pos_normalizer
+        return self.mlp(normalized_distance.unsqueeze(-1)).unsqueeze(0).permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize('init_L, n', [(512.0, 64), (20.0, 90)])
+def test_equals_paper_listing(init_L, n):
+    "FireBias loaded into the paper's module (and back) gives the same bias bit for bit, below and beyond the threshold;"
+    " the defaults are the paper's."
+    torch.manual_seed(0)
+    ours = FireBias(6, init_L=init_L)
+    with torch.no_grad():
+        for p in ours.parameters(): p.add_(0.1 * torch.randn_like(p))
+    paper = PaperFIRE(num_heads=6, init_L=init_L)
+    paper.load_state_dict({k: v.reshape(()) if k in ('c', 'L_multiplier') else v for k, v in ours.state_dict().items()})
+    with torch.no_grad():
+        assert torch.equal(paper(torch.zeros(1, n, 4)), ours(n, n))
+        back = FireBias(6, init_L=init_L); back.load_state_dict(paper.state_dict())
+        assert torch.equal(back(n, n), ours(n, n))
+    d, p = FireBias(12), PaperFIRE()
+    assert (d.mlp[0].out_features, d.c.item(), d.threshold.item(), d.eps) == (p.mlp[0].out_features, p.c.item(), 512.0, p.eps)
