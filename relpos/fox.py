@@ -15,10 +15,13 @@ from .mha import MultiHeadAttention, check_sequence, expand_kv, guard_double_bac
 
 # %% ../nbs/08d_fox.ipynb #fox09
 def forget_sums(logits:torch.Tensor, # `[..., seq]` gate logits $w_h \cdot x_t + b_h$ along the last dim
+                keep:Optional[torch.Tensor]=None, # bool, broadcasts against `logits`: False for a token that is not there (padding): $f = 1$
                ) -> torch.Tensor:    # `[..., seq]`: $F_t = \sum_{l \le t} \log \sigma(\text{logit}_l)$
     "FoX's cumulative log forget gates, in float32 at least (a half-precision running sum would lose the digits the bias needs)."
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    return F.logsigmoid(logits.to(dtype)).cumsum(-1)
+    log_f = F.logsigmoid(logits.to(dtype))
+    if keep is not None: log_f = log_f.masked_fill(~keep, 0.0)      # padding forgets nothing
+    return log_f.cumsum(-1)
 
 # %% ../nbs/08d_fox.ipynb #fox12
 def fox_bias(sums_q:torch.Tensor, # `[..., seq_q]`: $F_i$ of the queries
@@ -60,9 +63,10 @@ class ForgettingMultiHeadAttention(MultiHeadAttention):
 @patch
 def sums(self:ForgettingMultiHeadAttention,
          key:torch.Tensor, # `[seq_len_k, batch, d_model]`: the keys' layer inputs
+         keep:Optional[torch.Tensor]=None, # bool `[batch or 1, 1, seq_len_k]`: False for padding (no gate)
         ) -> torch.Tensor: # `[batch, heads, seq_len_k]`: $F_j$ of every key
     "Every key's running sum of log forget gates, per head."
-    return forget_sums(self.forget(key).permute(1, 2, 0))
+    return forget_sums(self.forget(key).permute(1, 2, 0), keep)
 
 # %% ../nbs/08d_fox.ipynb #fox20
 @patch
@@ -90,7 +94,10 @@ def forward(self:ForgettingMultiHeadAttention, *, query:torch.Tensor, key:torch.
         raise TypeError(f"key has dtype {key.dtype} but the module's parameters have {self.forget.weight.dtype}; "
                         f"convert one of them (e.g. module.to({key.dtype})) or use torch.autocast")
     sq, sk = query.shape[0], key.shape[0]
-    Fk = self.sums(key)
+    keep = None
+    if mask is not None:   # a key no query may see is padding: no gate (without a mask, every key is seen)
+        keep = self.check_inputs(query, key, value, mask)[..., 0].any(0).T[:, None]   # [b|1, 1, seq_k]
+    Fk = self.sums(key, keep)
     self._sums = (Fk[..., max(sk - sq, 0):], Fk)
     try: return super(ForgettingMultiHeadAttention, self).forward(query=query, key=key, value=value, mask=mask,
                                                                   need_weights=need_weights)

@@ -26,6 +26,7 @@ from .alibi import ALiBiMultiHeadAttention
 from .t5 import T5MultiHeadAttention
 from .fire import FireMultiHeadAttention
 from .kerple import KerpleMultiHeadAttention
+from .fox import ForgettingMultiHeadAttention
 from .xpos import XPosMultiHeadAttention
 from .memorizing import MemorizingAttention, KNNMemory, _check_knn_memory
 
@@ -130,6 +131,7 @@ POSITION_BUILDERS: Dict[str, Callable] = {
     'fire': LabmlPosition(FireMultiHeadAttention),       # a learned MLP of the log distance normalised by the query's position (FIRE)
     'kerple': LabmlPosition(KerpleMultiHeadAttention),   # a learned kernel of the distance per head, log or power (KERPLE; `kernel=`)
     'xpos': LabmlPosition(XPosMultiHeadAttention),       # rotary with a decay per pair, causal (xPos)
+    'fox': LabmlPosition(ForgettingMultiHeadAttention),  # a forget gate per token and head: the bias F_i - F_j, causal (FoX)
 }
 POSITIONS = tuple(POSITION_BUILDERS)
 
@@ -235,7 +237,7 @@ def normalise_heads(module:MultiHeadAttention, # its `query` and `key` become `N
         setattr(module, name, new.to(old.linear.weight))   # the module's dtype and device
 
 # %% ../nbs/09_models.ipynb #06c88111
-GQA_POSITIONS = ('none', 'rotary', 'alibi', 't5', 'kerple', 'xpos')   # positions whose attention takes kv_heads, head_dim and bias=False
+GQA_POSITIONS = ('none', 'rotary', 'alibi', 't5', 'kerple', 'xpos', 'fox')   # positions whose attention takes kv_heads, head_dim and bias=False
 BIAS_POSITIONS = GQA_POSITIONS + ('fourier', 'fire')   # positions whose attention takes bias=False (query/key/value without biases)
 
 def _check_layers(layers, n_layers:int, name:str='memorizing_layers') -> Tuple[int, ...]:

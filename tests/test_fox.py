@@ -24,6 +24,10 @@ def numpy_fox(P, heads, xq, xk, mask=None):
     d_k = q.shape[-1]
     f = 1 / (1 + np.exp(-(xk @ P['forget.weight'].T + P['forget.bias'])))      # [nk, batch, heads]
     nq, nk, B = len(xq), len(xk), xq.shape[1]
+    if mask is not None:   # a key that no query may see is padding: no gate (f = 1)
+        causal = np.tril(np.ones((nq, nk), dtype=bool), nk - nq)[..., None]
+        seen = (np.broadcast_to(mask, (nq, nk, mask.shape[2])) & causal).any(0)  # [nk, batch or 1]
+        f = np.where(np.broadcast_to(seen, (nk, B))[..., None], f, 1.0)
     out = np.zeros_like(q)
     for i in range(nq):
         ii = i + nk - nq
@@ -67,6 +71,7 @@ def test_layer_equals_paper_numpy(case, need_weights):
     mask = None
     if case == 'padding':
         mask = torch.rand(5, 8, 2, generator=g) > 0.3; mask[1, :, 1] = False
+        mask[:, 4, 0] = False; mask[:, 2, 1] = False                          # keys no query sees: padding
     P = {k: v.detach().numpy() for k, v in layer.state_dict().items()}
     if case == 'gqa':   # the reference repeats the key/value head for every query head
         for n in ('key', 'value'):
@@ -222,6 +227,18 @@ def test_no_state_from_the_mode_it_ran_in(): check_no_state_from_the_mode_it_ran
 def test_long_sequence_no_limit(): check_long_sequence_no_limit(ForgettingMultiHeadAttention(2, 16), 5000)
 def test_dropout_training_path_runs(): check_dropout_training_path_runs(make())
 
+def test_padding_token_forgets_nothing():
+    "A key the mask hides from every query is padding: the other tokens get what the row without it gives (fast and readable path)."
+    layer = _layer(2, 4, seed=7)
+    x = torch.randn(9, 1, 8, dtype=torch.float64)
+    keep = torch.ones(9, dtype=torch.bool); keep[4] = False
+    mask = keep[None, :, None].expand(9, 9, 1)
+    for need_weights in (False, True):
+        got = layer(query=x, key=x, value=x, mask=mask, need_weights=need_weights)[keep]
+        want = layer(query=x[keep], key=x[keep], value=x[keep], need_weights=need_weights)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_no_sums_left_after_a_call_or_an_error():
     layer = make()
     x = torch.randn(4, 1, 32)
@@ -251,3 +268,63 @@ def test_bad_calls():
     with pytest.raises(ValueError, match='key must have d_model=8'): layer(query=x, key=x[..., :4], value=x)
     with pytest.raises(TypeError, match='key must be a torch.Tensor'): layer(query=x, key=[1], value=x)
     with pytest.raises(RuntimeError, match='exists only while the layer is called'): layer.position_bias(4, 4)
+
+
+# ---------------------------------------------------------------- DecoderLM(position='fox') and the K/V cache
+def _lm(**kw):
+    "A float64 DecoderLM with FoX layers, every parameter perturbed, the gates spread over (0, 1)."
+    from relpos.models import DecoderLM
+    torch.manual_seed(0)
+    lm = DecoderLM(13, d_model=16, heads=2, n_layers=2, position='fox', **kw).double().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lm.parameters(): p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        for layer in lm.layers:
+            f = layer.self_attn.module.forget
+            f.weight.normal_(0, 1, generator=g); f.bias.uniform_(-1, 3, generator=g)
+    return lm
+
+
+def _decode(lm, seq, prompt_len, window, chunks=None, attention_mask=None):
+    "Logits of a prompt in one pass, then the rest one token at a time (or in `chunks`), through a cache of `window` tokens."
+    cache = lm.new_cache(seq.shape[0], window or seq.shape[1])
+    with torch.no_grad():
+        out = [lm(seq[:, :prompt_len], cache=cache, attention_mask=attention_mask)[0]]
+        steps = chunks or [1] * (seq.shape[1] - prompt_len)
+        i = prompt_len
+        for c in steps: out.append(lm(seq[:, i:i + c], cache=cache)[0]); i += c
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize('window', [None, 4])
+@pytest.mark.parametrize('kw', [dict(), dict(kv_heads=1)])
+def test_cached_decoding_equals_full_model(kw, window):
+    "DecoderLM(position='fox'): a prompt, then one token at a time, then chunks: the full model's logits (same window), float64 <= 1e-10."
+    from relpos.cache import full_logits
+    lm = _lm(**kw)
+    seq = torch.randint(0, 13, (3, 16), generator=torch.Generator().manual_seed(1))
+    want = full_logits(lm, seq, max_cache_len=window)
+    assert (_decode(lm, seq, 5, window) - want).abs().max() <= 1e-10
+    assert (_decode(lm, seq, 3, window, chunks=[4, 1, 6, 2]) - want).abs().max() <= 1e-10
+
+
+def test_cached_decoding_left_padded():
+    "A left-padded prompt: each row's cached logits equal the full model on that row alone."
+    from relpos.cache import full_logits
+    lm = _lm()
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 13, (9,), generator=g), torch.randint(0, 13, (12,), generator=g)
+    seq = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), a]), b])
+    mask = torch.stack([torch.tensor([0] * 3 + [1] * 9), torch.ones(12, dtype=torch.long)])
+    got = _decode(lm, seq, 6, None, attention_mask=mask[:, :6])
+    assert (got[0, 3:] - full_logits(lm, a[None])[0]).abs().max() <= 1e-10
+    assert (got[1] - full_logits(lm, b[None])[0]).abs().max() <= 1e-10
+
+
+def test_decoder_lm_trains_the_gates():
+    from relpos.models import DecoderLM, POSITIONS, GQA_POSITIONS
+    assert 'fox' in POSITIONS and 'fox' in GQA_POSITIONS
+    lm = DecoderLM(11, d_model=16, heads=2, n_layers=1, position='fox', kv_heads=1)
+    logits, _ = lm(torch.randint(0, 11, (2, 40)))
+    logits.sum().backward()
+    assert lm.layers[0].self_attn.module.forget.weight.grad.abs().sum() > 0
