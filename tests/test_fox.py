@@ -328,3 +328,15 @@ def test_decoder_lm_trains_the_gates():
     logits, _ = lm(torch.randint(0, 11, (2, 40)))
     logits.sum().backward()
     assert lm.layers[0].self_attn.module.forget.weight.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- compile
+@pytest.mark.parametrize('need_weights', [False, True])
+def test_compile_aot_eager_fullgraph(need_weights):
+    m = ForgettingMultiHeadAttention(4, 32).eval()
+    x, mem = torch.randn(6, 2, 32), torch.randn(9, 2, 32)
+    mask = torch.rand(6, 9, 2) > 0.2
+    cm = torch.compile(m, fullgraph=True, backend='aot_eager')
+    for msk in (None, mask):
+        torch.testing.assert_close(run(cm, x, mem, msk, need_weights=need_weights), run(m, x, mem, msk), rtol=1e-5, atol=1e-6)
+    assert m._sums is None
