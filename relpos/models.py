@@ -412,11 +412,13 @@ def make_memorizing(self:DecoderLM, layer:int,  # index of the layer
                    ) -> BatchFirstAttention:  # `MemorizingAttention` around `attn.module`, behind the same adapter
     "Make layer `layer`'s attention the local side of a `MemorizingAttention` (called by `make_layer` for `memorizing_layers`)."
     local = attn.module if isinstance(attn, SequenceFirstAttention) else None
-    if self.position == 'absolute' or not attn.supports_memory or not isinstance(local, MultiHeadAttention):
+    # a layer with its own `forward` (FoX: gates from the layer's inputs) would lose it: the kNN layer calls its paths on projections
+    if (self.position == 'absolute' or not attn.supports_memory or not isinstance(local, MultiHeadAttention)
+            or type(local).forward is not MultiHeadAttention.forward):
         name = self.position if isinstance(self.position, str) else getattr(self.position, '__name__', 'custom')
         raise ValueError(f"memorizing_layers: layer {layer}'s attention (position={name!r}, {type(attn.module).__name__}) "
                          f"cannot be the local side of a kNN layer, which needs a relpos.mha.MultiHeadAttention taking keys "
-                         f"longer than queries (positions that continue across calls); use one of {KNN_LOCAL_POSITIONS}")
+                         f"longer than queries (positions that continue across calls) and its paths run on the projections alone; use one of {KNN_LOCAL_POSITIONS}")
     knn = MemorizingAttention(self.heads, self.d_model, self.attention_dropout, knn_capacity=self.knn_capacity,
                               top_k=self.top_k, local=local, knn_memory=self.knn_memory,
                               knn_memory_kwargs=self.knn_memory_kwargs)
