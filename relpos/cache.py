@@ -12,7 +12,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
-from .mha import MultiHeadAttention
+from .mha import MultiHeadAttention, expand_kv
 from .relative_mha import RelativeMultiHeadAttention, XLRelativeMultiHeadAttention, sinusoid_positions
 from .rotary import RotaryMultiHeadAttention, apply_rotary
 from .alibi import ALiBiMultiHeadAttention, alibi_slopes
@@ -22,6 +22,7 @@ from .shaw import RelationAwareMultiHeadAttention, masked_score
 from .fire import FireMultiHeadAttention, fire_psi
 from .kerple import KerpleMultiHeadAttention
 from .xpos import XPosMultiHeadAttention, xpos_scale
+from .fox import ForgettingMultiHeadAttention, forget_sums, fox_operands
 from .models import DecoderLM, _check_int, _sample
 
 # %% ../nbs/09a_cache.ipynb #f76b6afe
@@ -557,6 +558,43 @@ def cache_attend(self:XPosMultiHeadAttention, q, k, v, step, layer):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask(), scale=self.scale,
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
+
+# %% ../nbs/09a_cache.ipynb #foxc2
+@patch
+def cache_shape(self:ForgettingMultiHeadAttention):
+    "`(heads, d_k + 2, d_k + 2)`: keys `[k, 1, -F_j]` and values `[v, 0, 0]`, one per query head (F differs between them)."
+    return self.heads, self.d_k + 2, self.d_k + 2
+
+@patch
+def cached_attention(self:ForgettingMultiHeadAttention, x, cache, layer, step):
+    "Read the running sum of each row's newest cached token (0 for an empty cache), then the base class's cached step."
+    K = cache.keys[layer]
+    prev = -K[:, :, (cache.seen - 1) % cache.max_cache_len, -1] if cache.seen else K.new_zeros(K.shape[:2])   # [b, heads]
+    self._cache_prev = prev
+    try: return MultiHeadAttention.cached_attention(self, x, cache, layer, step)
+    finally: self._cache_prev = None
+
+@patch
+def cache_project(self:ForgettingMultiHeadAttention, x, step):
+    "`q' = [q / sqrt(d_k), F_i, 1]`, `k' = [k, 1, -F_j]`, `v' = [v, 0, 0]` of the new tokens, `[b, n, heads, d_k + 2]`; F continues the row's sum."
+    q, k, v = self.query(x), expand_kv(self.key(x), self.heads), expand_kv(self.value(x), self.heads)
+    keep = None if step.new_valid is None else step.new_valid[:, None, :]         # a padding token has no gate
+    sums = self._cache_prev[..., None].to(torch.promote_types(x.dtype, torch.float32)) + forget_sums(self.forget(x).transpose(1, 2), keep)
+    sums = sums.transpose(1, 2)                                                    # [b, n, heads]
+    q2, k2 = fox_operands(q * self.scale, k, sums, sums)
+    return q2, k2, F.pad(v, (0, 2))
+
+@patch
+def cache_prefill_ok(self:ForgettingMultiHeadAttention, step):
+    "Never: the prompt goes through `cache_attend` too, on the operands `cache_project` made."
+    return False
+
+@patch
+def cache_attend(self:ForgettingMultiHeadAttention, q, k, v, step, layer):
+    "SDPA at scale 1 on the extended queries and cached keys (their product adds $F_i - F_j$); the output without the two padded features."
+    x = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask(), scale=1.0,
+                                       dropout_p=self.dropout.p if self.training else 0.0)
+    return x[..., :-2]
 
 # %% ../nbs/09a_cache.ipynb #86ff9f7c
 @patch

@@ -26,6 +26,7 @@ from .alibi import ALiBiMultiHeadAttention
 from .t5 import T5MultiHeadAttention
 from .fire import FireMultiHeadAttention
 from .kerple import KerpleMultiHeadAttention
+from .fox import ForgettingMultiHeadAttention
 from .xpos import XPosMultiHeadAttention
 from .memorizing import MemorizingAttention, KNNMemory, _check_knn_memory
 
@@ -130,6 +131,7 @@ POSITION_BUILDERS: Dict[str, Callable] = {
     'fire': LabmlPosition(FireMultiHeadAttention),       # a learned MLP of the log distance normalised by the query's position (FIRE)
     'kerple': LabmlPosition(KerpleMultiHeadAttention),   # a learned kernel of the distance per head, log or power (KERPLE; `kernel=`)
     'xpos': LabmlPosition(XPosMultiHeadAttention),       # rotary with a decay per pair, causal (xPos)
+    'fox': LabmlPosition(ForgettingMultiHeadAttention),  # a forget gate per token and head: the bias F_i - F_j, causal (FoX)
 }
 POSITIONS = tuple(POSITION_BUILDERS)
 
@@ -235,7 +237,7 @@ def normalise_heads(module:MultiHeadAttention, # its `query` and `key` become `N
         setattr(module, name, new.to(old.linear.weight))   # the module's dtype and device
 
 # %% ../nbs/09_models.ipynb #06c88111
-GQA_POSITIONS = ('none', 'rotary', 'alibi', 't5', 'kerple', 'xpos')   # positions whose attention takes kv_heads, head_dim and bias=False
+GQA_POSITIONS = ('none', 'rotary', 'alibi', 't5', 'kerple', 'xpos', 'fox')   # positions whose attention takes kv_heads, head_dim and bias=False
 BIAS_POSITIONS = GQA_POSITIONS + ('fourier', 'fire')   # positions whose attention takes bias=False (query/key/value without biases)
 
 def _check_layers(layers, n_layers:int, name:str='memorizing_layers') -> Tuple[int, ...]:
@@ -410,11 +412,13 @@ def make_memorizing(self:DecoderLM, layer:int,  # index of the layer
                    ) -> BatchFirstAttention:  # `MemorizingAttention` around `attn.module`, behind the same adapter
     "Make layer `layer`'s attention the local side of a `MemorizingAttention` (called by `make_layer` for `memorizing_layers`)."
     local = attn.module if isinstance(attn, SequenceFirstAttention) else None
-    if self.position == 'absolute' or not attn.supports_memory or not isinstance(local, MultiHeadAttention):
+    # a layer with its own `forward` (FoX: gates from the layer's inputs) would lose it: the kNN layer calls its paths on projections
+    if (self.position == 'absolute' or not attn.supports_memory or not isinstance(local, MultiHeadAttention)
+            or type(local).forward is not MultiHeadAttention.forward):
         name = self.position if isinstance(self.position, str) else getattr(self.position, '__name__', 'custom')
         raise ValueError(f"memorizing_layers: layer {layer}'s attention (position={name!r}, {type(attn.module).__name__}) "
                          f"cannot be the local side of a kNN layer, which needs a relpos.mha.MultiHeadAttention taking keys "
-                         f"longer than queries (positions that continue across calls); use one of {KNN_LOCAL_POSITIONS}")
+                         f"longer than queries (positions that continue across calls) and its paths run on the projections alone; use one of {KNN_LOCAL_POSITIONS}")
     knn = MemorizingAttention(self.heads, self.d_model, self.attention_dropout, knn_capacity=self.knn_capacity,
                               top_k=self.top_k, local=local, knn_memory=self.knn_memory,
                               knn_memory_kwargs=self.knn_memory_kwargs)

@@ -355,14 +355,14 @@ def fill(lm, batch=3, calls=2, n=8, seed=0):
 
 def test_decoder_knn_positions_cover_the_registry():
     "Every position with keys longer than queries in labml's dialect can be a kNN layer's local side; the others refuse."
-    assert set(KNN_LOCAL_POSITIONS) | {'absolute', 'shaw'} == set(POSITIONS)
+    assert set(KNN_LOCAL_POSITIONS) | {'absolute', 'shaw', 'fox'} == set(POSITIONS)
     for p in KNN_LOCAL_POSITIONS:
         lm = knn_lm(p)
         memory = fill(lm)
         assert lm.memorizing[0].memory.size.tolist() == [16, 16, 16]
         logits, _ = lm(torch.randint(0, V, (3, 8)), memory)
         assert torch.isfinite(logits).all(), p
-    for p in ('absolute', 'shaw'):
+    for p in ('absolute', 'shaw', 'fox'):
         with pytest.raises(ValueError, match='local side'): knn_lm(p, mem_len=0)
 
 
