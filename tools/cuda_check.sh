@@ -5,7 +5,8 @@
 # OUT_DIR as it finishes:
 #   STEPS=train:190,tests:110,profile:45,infer:60,decode:60 bash tools/cuda_check.sh OUT_DIR
 # Needs python3 with torch, pytest (pytest-xdist) and transformers; relpos is imported from this checkout; packages the
-# machine lacks (fastcore) are installed from wheels in .whl/ if that folder is there (see the docs home's GPU section).
+# machine lacks (fastcore) are installed from wheels in .whl/ if that folder is there, made beforehand on a machine with
+# an index: python3 -m pip download --no-deps --only-binary=:all: -d .whl fastcore
 # The sweep behind relpos.mha.block_rows's GPU budget is separate: python3 -m bench._gpu_block_rows OUT.txt
 set -u
 out=${1:-_cuda}; mkdir -p "$out"
