@@ -87,3 +87,26 @@ def ops_forward_backward(call) -> tuple:
     with OpCounter() as fwd: out = call()
     with OpCounter() as bwd: out.sum().backward()
     return fwd.n, bwd.n
+
+
+# ---------------------------------------------------------------- DecoderLM and its K/V cache (the method test files share these)
+def perturbed_lm(position, **kw):
+    "A float64 `DecoderLM` (vocabulary 13, d_model 16, 2 heads, 2 layers) with every parameter perturbed, so that zero-initialised position parameters do not make equalities vacuous."
+    from relpos.models import DecoderLM
+    torch.manual_seed(0)
+    lm = DecoderLM(13, d_model=16, heads=2, n_layers=2, position=position, **kw).double().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lm.parameters(): p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return lm
+
+
+def decode_through_cache(lm, seq, prompt_len, window, chunks=None, attention_mask=None):
+    "Logits of a prompt in one pass, then the rest one token at a time (or in `chunks`), through a cache of `window` tokens."
+    cache = lm.new_cache(seq.shape[0], window or seq.shape[1])
+    with torch.no_grad():
+        out = [lm(seq[:, :prompt_len], cache=cache, attention_mask=attention_mask)[0]]
+        steps = chunks or [1] * (seq.shape[1] - prompt_len)
+        i = prompt_len
+        for c in steps: out.append(lm(seq[:, i:i + c], cache=cache)[0]); i += c
+    return torch.cat(out, 1)

@@ -9,6 +9,7 @@ from relpos.fox import ForgettingMultiHeadAttention, forget_sums, fox_bias, fox_
 from mha_module_checks import (rel_err, run, check_bf16_module, check_autocast_bf16, check_float64_matches_float32,
                                check_no_state_from_the_mode_it_ran_in, check_long_sequence_no_limit,
                                check_dropout_training_path_runs)
+from mha_module_checks import decode_through_cache as _decode
 
 try: import x_transformers.x_transformers as xtr
 except ImportError: xtr = None
@@ -283,17 +284,6 @@ def _lm(**kw):
             f = layer.self_attn.module.forget
             f.weight.normal_(0, 1, generator=g); f.bias.uniform_(-1, 3, generator=g)
     return lm
-
-
-def _decode(lm, seq, prompt_len, window, chunks=None, attention_mask=None):
-    "Logits of a prompt in one pass, then the rest one token at a time (or in `chunks`), through a cache of `window` tokens."
-    cache = lm.new_cache(seq.shape[0], window or seq.shape[1])
-    with torch.no_grad():
-        out = [lm(seq[:, :prompt_len], cache=cache, attention_mask=attention_mask)[0]]
-        steps = chunks or [1] * (seq.shape[1] - prompt_len)
-        i = prompt_len
-        for c in steps: out.append(lm(seq[:, i:i + c], cache=cache)[0]); i += c
-    return torch.cat(out, 1)
 
 
 @pytest.mark.parametrize('window', [None, 4])

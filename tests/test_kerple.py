@@ -10,6 +10,7 @@ from relpos.kerple import KERPLE_KERNELS, KerpleBias, KerpleMultiHeadAttention, 
 from mha_module_checks import (rel_err, run, check_bf16_module, check_autocast_bf16, check_float64_matches_float32,
                                check_no_state_from_the_mode_it_ran_in, check_long_sequence_no_limit,
                                check_dropout_training_path_runs)
+from mha_module_checks import perturbed_lm as _lm, decode_through_cache as _decode
 
 
 # ---------------------------------------------------------------- the paper's formulas, in NumPy
@@ -419,28 +420,6 @@ def test_bad_calls():
 
 
 # ---------------------------------------------------------------- DecoderLM(position=...) and the K/V cache
-def _lm(position, **kw):
-    "A float64 DecoderLM, every parameter perturbed (and the position parameters spread over their ranges)."
-    from relpos.models import DecoderLM
-    torch.manual_seed(0)
-    lm = DecoderLM(13, d_model=16, heads=2, n_layers=2, position=position, **kw).double().eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lm.parameters(): p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return lm
-
-
-def _decode(lm, seq, prompt_len, window, chunks=None, attention_mask=None):
-    "Logits of a prompt in one pass, then the rest one token at a time (or in `chunks`), through a cache of `window` tokens."
-    cache = lm.new_cache(seq.shape[0], window or seq.shape[1])
-    with torch.no_grad():
-        out = [lm(seq[:, :prompt_len], cache=cache, attention_mask=attention_mask)[0]]
-        steps = chunks or [1] * (seq.shape[1] - prompt_len)
-        i = prompt_len
-        for c in steps: out.append(lm(seq[:, i:i + c], cache=cache)[0]); i += c
-    return torch.cat(out, 1)
-
-
 @pytest.mark.parametrize('window', [None, 4])
 @pytest.mark.parametrize('kw', [dict(kernel='log'), dict(kernel='power'), dict(kernel='power', kv_heads=1)])
 def test_cached_decoding_equals_full_model(kw, window):
