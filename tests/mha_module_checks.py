@@ -110,3 +110,15 @@ def decode_through_cache(lm, seq, prompt_len, window, chunks=None, attention_mas
         i = prompt_len
         for c in steps: out.append(lm(seq[:, i:i + c], cache=cache)[0]); i += c
     return torch.cat(out, 1)
+
+
+def check_left_padded_decoding(lm):
+    "A left-padded prompt through the cache: each row's logits equal the full model on that row alone (float64, 1e-10)."
+    from relpos.cache import full_logits
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randint(0, 13, (9,), generator=g), torch.randint(0, 13, (12,), generator=g)
+    seq = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), a]), b])
+    mask = torch.stack([torch.tensor([0] * 3 + [1] * 9), torch.ones(12, dtype=torch.long)])
+    got = decode_through_cache(lm, seq, 6, None, attention_mask=mask[:, :6])
+    assert (got[0, 3:] - full_logits(lm, a[None])[0]).abs().max() <= 1e-10
+    assert (got[1] - full_logits(lm, b[None])[0]).abs().max() <= 1e-10

@@ -9,7 +9,7 @@ from relpos.fox import ForgettingMultiHeadAttention, forget_sums, fox_bias, fox_
 from mha_module_checks import (rel_err, run, check_bf16_module, check_autocast_bf16, check_float64_matches_float32,
                                check_no_state_from_the_mode_it_ran_in, check_long_sequence_no_limit,
                                check_dropout_training_path_runs)
-from mha_module_checks import decode_through_cache as _decode
+from mha_module_checks import decode_through_cache as _decode, check_left_padded_decoding
 
 try: import x_transformers.x_transformers as xtr
 except ImportError: xtr = None
@@ -300,15 +300,7 @@ def test_cached_decoding_equals_full_model(kw, window):
 
 def test_cached_decoding_left_padded():
     "A left-padded prompt: each row's cached logits equal the full model on that row alone."
-    from relpos.cache import full_logits
-    lm = _lm()
-    g = torch.Generator().manual_seed(2)
-    a, b = torch.randint(0, 13, (9,), generator=g), torch.randint(0, 13, (12,), generator=g)
-    seq = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), a]), b])
-    mask = torch.stack([torch.tensor([0] * 3 + [1] * 9), torch.ones(12, dtype=torch.long)])
-    got = _decode(lm, seq, 6, None, attention_mask=mask[:, :6])
-    assert (got[0, 3:] - full_logits(lm, a[None])[0]).abs().max() <= 1e-10
-    assert (got[1] - full_logits(lm, b[None])[0]).abs().max() <= 1e-10
+    check_left_padded_decoding(_lm())
 
 
 def test_decoder_lm_trains_the_gates():
