@@ -23,6 +23,7 @@ from .fire import FireMultiHeadAttention, fire_psi
 from .kerple import KerpleMultiHeadAttention
 from .xpos import XPosMultiHeadAttention, xpos_scale
 from .fox import ForgettingMultiHeadAttention, forget_sums, fox_operands
+from .cope import CoPEMultiHeadAttention, cope_attention
 from .models import DecoderLM, _check_int, _sample
 
 # %% ../nbs/09a_cache.ipynb #f76b6afe
@@ -595,6 +596,26 @@ def cache_attend(self:ForgettingMultiHeadAttention, q, k, v, step, layer):
     x = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask(), scale=1.0,
                                        dropout_p=self.dropout.p if self.training else 0.0)
     return x[..., :-2]
+
+# %% ../nbs/09a_cache.ipynb #copec2
+@patch
+def cache_prefill_ok(self:CoPEMultiHeadAttention, step):
+    "Always: CoPE's positions come from the order of the tokens and the mask, which the prefill mask carries (padding, window)."
+    return True
+
+@patch
+def cache_attend(self:CoPEMultiHeadAttention, q, k, v, step, layer):
+    "`cope_attention` of the new queries over the cached keys, taken in stream order once the ring has wrapped."
+    c, h = step.cache, q.shape[1]
+    k, v = (t if t.shape[1] == h else t.repeat_interleave(h // t.shape[1], 1) for t in (k, v))   # gates per query head
+    see = step.mask()
+    if c.seen + step.n > c.max_cache_len:   # the ring has wrapped: slot order is no longer the order of the tokens
+        t_k = c.times[:step.length] if step.mode == 'decode' else torch.cat(
+            [c.times[:len(c)], torch.arange(c.seen, c.seen + step.n, device=c.device)])
+        order = t_k.argsort()
+        k, v = k[:, :, order], v[:, :, order]
+        if see is not None: see = see[..., order]
+    return cope_attention(q, k, v, self.pos_emb, see, self.scale, self.dropout.p if self.training else 0.0)[0]
 
 # %% ../nbs/09a_cache.ipynb #86ff9f7c
 @patch

@@ -27,6 +27,7 @@ from .t5 import T5MultiHeadAttention
 from .fire import FireMultiHeadAttention
 from .kerple import KerpleMultiHeadAttention
 from .fox import ForgettingMultiHeadAttention
+from .cope import CoPEMultiHeadAttention
 from .xpos import XPosMultiHeadAttention
 from .memorizing import MemorizingAttention, KNNMemory, _check_knn_memory
 
@@ -132,6 +133,7 @@ POSITION_BUILDERS: Dict[str, Callable] = {
     'kerple': LabmlPosition(KerpleMultiHeadAttention),   # a learned kernel of the distance per head, log or power (KERPLE; `kernel=`)
     'xpos': LabmlPosition(XPosMultiHeadAttention),       # rotary with a decay per pair, causal (xPos)
     'fox': LabmlPosition(ForgettingMultiHeadAttention),  # a forget gate per token and head: the bias F_i - F_j, causal (FoX)
+    'cope': LabmlPosition(CoPEMultiHeadAttention),       # positions counted by gates from the query back, interpolated embeddings, causal (CoPE)
 }
 POSITIONS = tuple(POSITION_BUILDERS)
 
@@ -237,7 +239,7 @@ def normalise_heads(module:MultiHeadAttention, # its `query` and `key` become `N
         setattr(module, name, new.to(old.linear.weight))   # the module's dtype and device
 
 # %% ../nbs/09_models.ipynb #06c88111
-GQA_POSITIONS = ('none', 'rotary', 'alibi', 't5', 'kerple', 'xpos', 'fox')   # positions whose attention takes kv_heads, head_dim and bias=False
+GQA_POSITIONS = ('none', 'rotary', 'alibi', 't5', 'kerple', 'xpos', 'fox', 'cope')   # positions whose attention takes kv_heads, head_dim and bias=False
 BIAS_POSITIONS = GQA_POSITIONS + ('fourier', 'fire')   # positions whose attention takes bias=False (query/key/value without biases)
 
 def _check_layers(layers, n_layers:int, name:str='memorizing_layers') -> Tuple[int, ...]:
@@ -404,7 +406,7 @@ class DecoderLM(nn.Module):
                             parallel_residual=self.parallel_residual, pre_norm=self.pre_norm, post_norm=self.post_norm)
 
 # %% ../nbs/09_models.ipynb #d7b9adb4
-KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire', 'kerple', 'xpos') # positions a kNN layer can take as its local side
+KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire', 'kerple', 'xpos', 'cope') # positions a kNN layer can take as its local side
 
 @patch
 def make_memorizing(self:DecoderLM, layer:int,  # index of the layer

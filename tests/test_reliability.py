@@ -79,6 +79,7 @@ ATTN = {
     ("fire", "FireMultiHeadAttention"): lambda mod: mod.FireMultiHeadAttention(H, D, dropout_prob=0.0, init_L=3.5),
     ("kerple", "KerpleMultiHeadAttention"): lambda mod: mod.KerpleMultiHeadAttention(H, D, dropout_prob=0.0),
     ("xpos", "XPosMultiHeadAttention"): lambda mod: mod.XPosMultiHeadAttention(H, D, dropout_prob=0.0),
+    ("cope", "CoPEMultiHeadAttention"): lambda mod: mod.CoPEMultiHeadAttention(H, D, dropout_prob=0.0, max_pos=4),
 }
 
 
@@ -1508,6 +1509,8 @@ MODULES = {
     "alibi.ALiBiMultiHeadAttention(bidirectional)": ("alibi", "ALiBiMultiHeadAttention",
                                                      dict(heads=H, d_model=D, dropout_prob=0.0, bidirectional=True), "labml"),
     "fire.FireMultiHeadAttention": ("fire", "FireMultiHeadAttention", dict(heads=H, d_model=D, dropout_prob=0.0, init_L=3.5),
+                                    "labml"),
+    "cope.CoPEMultiHeadAttention": ("cope", "CoPEMultiHeadAttention", dict(heads=H, d_model=D, dropout_prob=0.0, max_pos=4),
                                     "labml"),
     "relative_mha.TransformerXLModel": ("relative_mha", "TransformerXLModel",
                                         dict(n_vocab=VOCAB, d_model=D, heads=H, d_ff=16, n_layers=2, mem_len=4,
