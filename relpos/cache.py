@@ -7,12 +7,13 @@ __all__ = ['KVCache', 'CacheStep', 'supports_cache', 'full_logits']
 
 # %% ../nbs/09a_cache.ipynb #e0740206
 import copy, hashlib, math, weakref
+from functools import partial
 from typing import List, Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
-from .mha import MultiHeadAttention, expand_kv
+from .mha import MultiHeadAttention, expand_kv, softcapped_attention
 from .relative_mha import RelativeMultiHeadAttention, XLRelativeMultiHeadAttention, sinusoid_positions
 from .rotary import RotaryMultiHeadAttention, apply_rotary
 from .alibi import ALiBiMultiHeadAttention, alibi_slopes
@@ -23,7 +24,7 @@ from .fire import FireMultiHeadAttention, fire_psi
 from .kerple import KerpleMultiHeadAttention
 from .xpos import XPosMultiHeadAttention, xpos_scale
 from .fox import ForgettingMultiHeadAttention, forget_sums, fox_operands
-from .models import DecoderLM, _check_int, _sample
+from .models import DecoderLM, _check_int, _sample, attention_pattern
 
 # %% ../nbs/09a_cache.ipynb #f76b6afe
 class KVCache:
@@ -159,6 +160,7 @@ class CacheStep:
         first = (seen + n - m) % L                  # their first slot
         self.write = slice(first, first + m) if first + m <= L else torch.arange(first, first + m, device=cache.device) % L
         self.m, self.memo, self.undo = m, {}, []     # undo: the key/value slots overwritten so far (`_write`)
+        self.pattern = (None, None)                  # (window, chunk) of the layer running: set by the model per layer
         if self.mode == 'decode': self._commit_slots()   # the new key is one of the keys it attends to
         self.length = min(seen + n, L) if self.mode == 'decode' else len(cache) + n   # keys attended (decode: filled slots)
 
@@ -194,10 +196,17 @@ class CacheStep:
         if self.mode == 'decode': return c.positions[:, :self.length]
         return torch.cat([c.positions[:, :len(c)], self.q_pos], 1)
 
+    def _narrower(self) -> tuple:
+        "The layer's (window, chunk) where they hide more than the ring does: a window shorter than it, any chunk."
+        w, ch = self.pattern
+        return (w if w is not None and w < self.cache.max_cache_len else None), ch
+
     def mask(self) -> Optional[torch.Tensor]:
-        "Bool `[b|1, 1, n, keys]` (True: may attend) for decode/extend; None when every key may be attended."
-        if 'mask' in self.memo: return self.memo['mask']
+        "Bool `[b|1, 1, n, keys]` (True: may attend) for decode/extend, for the running layer's window and chunks; None when every key may be attended."
+        key = ('mask', self._narrower())
+        if key in self.memo: return self.memo[key]
         c, n = self.cache, self.n
+        w, ch = self._narrower()
         if self.mode == 'decode':
             if c.all_valid and self.new_valid is None: m = None
             elif self.new_valid is None: m = c.valid[:, None, None, :self.length]   # a view: the new slot is valid already
@@ -205,17 +214,20 @@ class CacheStep:
                 m = c.valid[:, :self.length].clone()
                 m[:, self.write] = True               # a query always sees itself, padding too: no fully masked row (NaN)
                 m = m[:, None, None, :]
+            if w is not None or ch is not None:       # this layer's window or chunk, by stream time
+                near = attention_pattern(torch.tensor(c.seen, device=c.device), c.times[:self.length], w, ch)
+                m = near[None, None, None] if m is None else m & near
         else:   # extend: cached keys, then the new ones; causal and windowed by stream time
             L, f = c.max_cache_len, len(c)
             t_k = torch.cat([c.times[:f], torch.arange(c.seen, c.seen + n, device=c.device)])
             t_q = torch.arange(c.seen, c.seen + n, device=c.device)
             d = t_q[:, None] - t_k[None, :]
-            m = (d >= 0) & (d < L)                                                 # [n, keys]
+            m = (d < L) & attention_pattern(t_q[:, None], t_k[None, :], w, ch)   # [n, keys]
             valid = c.valid[:, :f] if self.new_valid is None else c.valid[:, :f]
             new = torch.ones(c.batch_size, n, dtype=torch.bool, device=c.device) if self.new_valid is None else self.new_valid
             m = (m[None] & torch.cat([valid, new], 1)[:, None, :]) | (d == 0)[None]  # [b, n, keys], a query sees itself
             m = m[:, None]
-        self.memo['mask'] = m
+        self.memo[key] = m
         return m
 
     def distance_index(self) -> torch.Tensor:
@@ -227,11 +239,12 @@ class CacheStep:
         return self.memo['didx']
 
     def prefill_mask(self) -> Optional[torch.Tensor]:
-        "Bool `[b|1, n, n]` for the prefill: causal, windowed to `max_cache_len`, padding keys masked; None: exactly causal."
+        "Bool `[b|1, n, n]` for the prefill: causal, windowed to `max_cache_len` and to the running layer's window and chunks, padding keys masked; None: exactly causal."
         n, L = self.n, self.cache.max_cache_len
-        if n <= L and self.new_valid is None: return None
+        w, ch = self._narrower()
+        if n <= L and self.new_valid is None and (w is None or n <= w) and (ch is None or n <= ch): return None
         i = torch.arange(n, device=self.cache.device)
-        m = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - L)
+        m = attention_pattern(i[:, None], i[None, :], L if w is None else min(w, L), ch)
         m = m[None]
         if self.new_valid is not None: m = m & self.new_valid[:, None, :]
         return m
@@ -310,9 +323,13 @@ def cache_attend(self:MultiHeadAttention, q, k, v, step:CacheStep, layer:int) ->
     if bias is not None:
         bias = bias.to(q.dtype)
         mask = bias if mask is None else bias.masked_fill(~mask, float('-inf'))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                          dropout_p=self.dropout.p if self.training else 0.0,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return _sdpa(self, q, k, v, mask)
+
+def _sdpa(module:MultiHeadAttention, q, k, v, mask):
+    "SDPA at the module's scale and dropout, grouped-query heads included; the scores soft-capped where the module says so."
+    attend = F.scaled_dot_product_attention if module.softcap is None else partial(softcapped_attention, softcap=module.softcap)
+    return attend(q, k, v, attn_mask=mask, scale=module.scale, dropout_p=module.dropout.p if module.training else 0.0,
+                  enable_gqa=k.shape[1] != q.shape[1])
 
 # %% ../nbs/09a_cache.ipynb #b5d570fd
 @patch
@@ -409,9 +426,7 @@ def cache_exact_len(self:RotaryMultiHeadAttention) -> Optional[int]:
 @patch
 def cache_attend(self:RotaryMultiHeadAttention, q, k, v, step, layer):
     "Decode: plain SDPA (queries and cached keys are rotated)."
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask(), scale=self.scale,
-                                          dropout_p=self.dropout.p if self.training else 0.0,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return _sdpa(self, q, k, v, step.mask())
 
 # %% ../nbs/09a_cache.ipynb #756da015
 @patch
@@ -657,14 +672,15 @@ def cached_attention(self:RelationAwareMultiHeadAttention, x, cache, layer, step
 # %% ../nbs/09a_cache.ipynb #e98cb10d
 @patch
 def new_cache(self:DecoderLM, batch_size:int,  # rows decoded side by side
-              max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included (at most the model's `sliding_window`)
+              max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included (at most what the model's windows and chunks reach)
              ) -> KVCache:                    # empty, in the parameters' dtype and on their device
     "An empty `KVCache` for this model: `forward(tokens, cache=cache)` fills it and decodes from it."
     if self.memorizing_layers:
         raise ValueError(f"new_cache: the kNN layers {self.memorizing_layers} have no cached path; generate(use_cache=False) "
                          f"keeps every layer's hidden states instead")
-    if self.sliding_window is not None and isinstance(max_cache_len, int) and not isinstance(max_cache_len, bool):
-        max_cache_len = min(max_cache_len, self.sliding_window)   # the model's window: older tokens are never attended
+    reach = self.attention_reach   # every layer windowed or chunked: older tokens are never attended
+    if reach is not None and isinstance(max_cache_len, int) and not isinstance(max_cache_len, bool):
+        max_cache_len = min(max_cache_len, reach)
     w = self.src_embed.weight
     return KVCache([layer.self_attn.module for layer in self.layers], batch_size, max_cache_len,
                    dtype=w.dtype, device=w.device, owner=self)
@@ -686,9 +702,13 @@ def _check_cache(self:DecoderLM, cache, batch:int):
                          "model's new_cache(batch_size, max_cache_len)")
     if owner is not self and not adopt:
         raise ValueError("cache was made for another model: make one with this model's new_cache(batch_size, max_cache_len)")
-    if self.sliding_window is not None and cache.max_cache_len > self.sliding_window:
-        raise ValueError(f"cache keeps max_cache_len={cache.max_cache_len} tokens but the model attends to sliding_window="
-                         f"{self.sliding_window}: make the cache with new_cache(batch_size, max_cache_len), which keeps the window")
+    reach = self.attention_reach
+    if reach is not None and cache.max_cache_len > reach:
+        what = (f"sliding_window={self.sliding_window}" if self.sliding_window is not None else "") + (
+            f"{', ' if self.sliding_window is not None else ''}attention_chunk_size={self.attention_chunk_size}"
+            if self.attention_chunk_size is not None else "")
+        raise ValueError(f"cache keeps max_cache_len={cache.max_cache_len} tokens but the model's layers attend to at most "
+                         f"{reach} ({what}): make the cache with new_cache(batch_size, max_cache_len), which keeps the window")
     if cache.batch_size != batch:
         raise ValueError(f"tokens have batch {batch} but the cache holds {cache.batch_size} rows: make a cache with "
                          f"new_cache({batch}, max_cache_len)")
@@ -745,14 +765,15 @@ def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:b
     try:
         if doc_start is not None: cache.reset(doc_start)
         step = CacheStep(cache, tokens.shape[1], q_pos, valid)
-        x = self.src_embed(tokens)
+        x = self._embed(tokens)
         if self.pos_embed is not None: x = x + self.pos_embed(q_pos)
         x = self.drop(x)
-        for i, layer in enumerate(self.layers):
+        for i, (layer, pattern) in enumerate(zip(self.layers, self.layer_patterns)):
+            step.pattern = pattern   # the masks this layer's window and chunks give (`CacheStep.mask`)
             # the layer's own residual arithmetic (post-norms, parallel residual) around the cached attention
             x = layer.add_branches(x, layer.self_attn.module.cached_attention(layer.norm_self_attn(x), cache, i, step))
         if last_only: x = x[:, -1:]
-        logits = self.generator(self.norm(x))
+        logits = self._logits(x)
         step.commit()
     except BaseException:   # a layer, a hook, out of memory, Ctrl-C: no half-written step stays in the cache
         cache._restore(state, [] if step is None else step.undo)
@@ -776,7 +797,7 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
                              f"{tuple(doc_start.shape) if isinstance(doc_start, torch.Tensor) else type(doc_start).__name__}")
         if doc_start.device != cache.device:
             raise ValueError(f"doc_start is on {doc_start.device} but the model's parameters are on {cache.device}")
-    if n == 0: return self.generator(self.norm(self.src_embed(tokens)))
+    if n == 0: return self._logits(self._embed(tokens))
     if cache.seen == 0 and self.pos_embed is None:   # a prefill attends over the prompt in one pass: its tables must cover it
         self._check_length(n, 'tokens seq_len (a prompt is attended in one pass)')
     q_pos, valid = self._cache_positions(cache, n, attention_mask, position_ids, doc_start)   # a refused call changes nothing
@@ -785,29 +806,32 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
 # %% ../nbs/09a_cache.ipynb #4cc228e2
 def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
                 attention_mask:Optional[torch.Tensor]=None,    # `[batch, n]`, 0: padding (never attended; positions count only tokens)
-                max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i (and the model's `sliding_window`)
+                max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i (and each layer's own window or chunk)
                ) -> torch.Tensor:                              # logits `[batch, n, n_vocab]` (NaN at padding)
     "The model over the whole sequence in one pass with the causal, padding and window masks: what cached decoding equals."
-    window = model.sliding_window   # the model's own window, and the cache's if narrower
-    if max_cache_len is None or (window is not None and window < max_cache_len): max_cache_len = window
     n = tokens.shape[1]
     i = torch.arange(n, device=tokens.device)
-    mask = i[None, :] <= i[:, None]                # [n, n], one mask for all rows: the layers' causal fast paths
-    if max_cache_len is not None: mask = mask & (i[None, :] > i[:, None] - max_cache_len)
+    place = i                                      # each token's place in its row: what windows and chunks count
     if attention_mask is not None:
         # each row's tokens first, in order: a token's index is then its position id, for every method; the masks keep
         # the tokens' places in the row (the window counts padding, as the ring's slots do)
         valid = attention_mask != 0
         order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)   # [b, n]: the place in the row of each token
-        mask = (i[None, :] <= i[:, None]) & valid.gather(1, order)[:, None, :]
-        if max_cache_len is not None: mask = mask & (order[:, None, :] > order[:, :, None] - max_cache_len)
-        mask = mask | torch.eye(n, dtype=torch.bool, device=tokens.device)    # a padding query (moved last) sees itself
+        place = order
         tokens = tokens.gather(1, order)
-    x = model.src_embed(tokens)
+    def layer_mask(window, chunk):
+        # the layer's own window (the cache's if narrower) and chunks; one mask for all rows without padding
+        if max_cache_len is not None: window = max_cache_len if window is None else min(window, max_cache_len)
+        near = attention_pattern(place[..., :, None], place[..., None, :], window, chunk)
+        if attention_mask is None: return near
+        mask = (i[None, :] <= i[:, None]) & valid.gather(1, order)[:, None, :] & near
+        return mask | torch.eye(n, dtype=torch.bool, device=tokens.device)    # a padding query (moved last) sees itself
+    masks = {p: layer_mask(*p) for p in set(model.layer_patterns)}
+    x = model._embed(tokens)
     if model.pos_embed is not None: x = x + model.pos_embed(i)
     x = model.drop(x)
-    for layer in model.layers: x = layer(x, None, mask)
-    logits = model.generator(model.norm(x))
+    for layer, p in zip(model.layers, model.layer_patterns): x = layer(x, None, masks[p])
+    logits = model._logits(x)
     if attention_mask is None: return logits
     out = torch.empty_like(logits).scatter_(1, order[..., None].expand_as(logits), logits)   # back to their places
     return out.masked_fill(~valid[..., None], float('nan'))

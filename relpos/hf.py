@@ -17,7 +17,7 @@ from .mha import MultiHeadAttention
 from .rotary import RotaryMultiHeadAttention, check_rope_scaling, _ROPE_KEYS
 from .alibi import ALiBiMultiHeadAttention
 from .t5 import T5MultiHeadAttention
-from .models import DecoderLM, GQA_POSITIONS, normalise_heads
+from .models import DecoderLM, GQA_POSITIONS, LAYER_TYPES, normalise_heads
 
 # %% ../nbs/12_hf.ipynb #b08c3a6f
 def _transformers():
@@ -28,9 +28,11 @@ def _transformers():
                           "pip install transformers (or pip install -e '.[dev]' in a relpos checkout)") from e
 
 def _config_rope(config, head_dim:int,
-                 whole_heads:Optional[str]=None): # LLaMA, which rotates every dimension: the converter's name, for its refusal
+                 whole_heads:Optional[str]=None, # LLaMA, which rotates every dimension: the converter's name, for its refusal
+                 layer_type:Optional[str]=None): # Gemma 3: `rope_parameters` holds one dict per layer type; this one's
     "`(base, rotary_dim, rope_scaling or None, max_position_embeddings)` from a transformers config (v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`)."
     params = dict(getattr(config, 'rope_parameters', None) or getattr(config, 'rope_scaling', None) or {})
+    if layer_type is not None and _per_layer_type(params): params = dict(params[layer_type])
     base = params.pop('rope_theta', None) or getattr(config, 'rope_theta', None) or 10000.0
     prf = params.pop('partial_rotary_factor', None)
     if prf is None: prf = getattr(config, 'partial_rotary_factor', None) or getattr(config, 'rotary_pct', None) or 1.0
@@ -48,6 +50,18 @@ def _config_rope(config, head_dim:int,
     rope = check_rope_scaling(params) if params else None
     if rope is not None and rope['rope_type'] == 'default': rope = None
     return float(base), int(head_dim * prf), rope, getattr(config, 'max_position_embeddings', None)
+
+def _per_layer_type(params:dict) -> bool:
+    "Whether a config's `rope_parameters` holds one dict per layer type (Gemma 3) rather than one for every layer."
+    return bool(params) and set(params) <= set(LAYER_TYPES)
+
+def _norm_offset(norm:nn.Module) -> float:
+    "What a transformers RMSNorm adds to its weight before scaling (LLaMA 0, Gemma 1), read from its output on ones."
+    w = norm.weight.detach()
+    eps = getattr(norm, 'variance_epsilon', getattr(norm, 'eps', None))
+    with torch.no_grad(): y = norm(torch.ones(1, w.shape[0], dtype=w.dtype, device=w.device))[0]
+    offset = (y * math.sqrt(1 + eps) - w).mean().item()   # ones have mean square 1: y = (offset + w) / sqrt(1 + eps)
+    return float(round(offset))
 
 def _drop_value_output_bias(layer:MultiHeadAttention):
     "labml's value and output projections always have a bias: remove them for checkpoints that have none."
@@ -87,11 +101,12 @@ def _llama_state(m, heads:int, kv:int, d_k:int) -> dict:
     if _qk_norm(m, d_k) is not None: sd['query.norm.weight'], sd['key.norm.weight'] = m.q_norm.weight, m.k_norm.weight
     return sd
 
-def _llama(m, partial_rotary:bool=False, **kw):
-    "LLaMA and the families that share its attention: Mistral, Qwen2 (q/k/v biases), Qwen3 and OLMo 2 (q/k norms), Phi-3 (fused q/k/v; `partial_rotary`)."
+def _llama(m, partial_rotary:bool=False, softcap:bool=False, **kw):
+    "LLaMA and the families that share its attention: Mistral, Qwen2 (q/k/v biases), Qwen3 and OLMo 2 (q/k norms), Phi-3 (fused q/k/v; `partial_rotary`), Gemma (its own scale; Gemma 2: `softcap`; Gemma 3: q/k norms, a rope per layer type)."
     cfg = m.config
     heads, kv, d_k, d = cfg.num_attention_heads, cfg.num_key_value_heads, m.head_dim, cfg.hidden_size
-    base, rotary_dim, rope, mpe = _config_rope(cfg, d_k, whole_heads=None if partial_rotary else 'from_transformers')
+    base, rotary_dim, rope, mpe = _config_rope(cfg, d_k, whole_heads=None if partial_rotary else 'from_transformers',
+                                               layer_type=getattr(m, 'layer_type', None))
     (_, bq), _, (_, bv) = _qkv(m, heads, kv, d_k)
     layer = RotaryMultiHeadAttention(heads, d, dropout_prob=float(getattr(cfg, 'attention_dropout', 0.0)), bias=bq is not None,
                                      rotary_dim=rotary_dim, base=base, rope_scaling=rope, max_position_embeddings=mpe,
@@ -99,8 +114,12 @@ def _llama(m, partial_rotary:bool=False, **kw):
     if bv is None: layer.value.linear.register_parameter('bias', None)
     if m.o_proj.bias is None: layer.output.register_parameter('bias', None)
     qk = _qk_norm(m, d_k)
-    if qk is not None: normalise_heads(layer, qk, 'rms', m.q_norm.variance_epsilon)
+    if qk is not None: normalise_heads(layer, qk, 'rms', _eps(m.q_norm), _norm_offset(m.q_norm))
+    if abs(m.scaling * math.sqrt(d_k) - 1) > 1e-12: layer.scale = float(m.scaling)   # Gemma 2/3: query_pre_attn_scalar
+    if softcap: layer.softcap = m.attn_logit_softcapping
     return layer, _llama_state(m, heads, kv, d_k)
+
+def _eps(norm) -> float: return float(getattr(norm, 'variance_epsilon', getattr(norm, 'eps', None)))
 
 def _neox(m, **kw):
     cfg = m.config
@@ -152,7 +171,8 @@ def _t5(m, t5_bias_from=None, **kw):
 
 ATTENTION_CONVERTERS = {'LlamaAttention': _llama, 'GPTNeoXAttention': _neox, 'GPTJAttention': _gptj,
                         'BloomAttention': _bloom, 'T5Attention': _t5, 'MistralAttention': _llama, 'Qwen2Attention': _llama,
-                        'Qwen3Attention': _llama, 'Olmo2Attention': _llama, 'Phi3Attention': partial(_llama, partial_rotary=True)}
+                        'Qwen3Attention': _llama, 'Olmo2Attention': _llama, 'Phi3Attention': partial(_llama, partial_rotary=True),
+                        'GemmaAttention': _llama, 'Gemma2Attention': partial(_llama, softcap=True), 'Gemma3Attention': _llama}
 
 # %% ../nbs/12_hf.ipynb #610d28c1
 def from_transformers(module:nn.Module,                 # a transformers attention module (see `ATTENTION_CONVERTERS`)
@@ -183,45 +203,74 @@ def _mlp(mlp) -> list:
             (mlp.down_proj.weight, mlp.down_proj.bias)]
     return [(p.weight, p.bias) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
 
-def _window(model) -> Optional[int]:
-    "The sliding window every layer shares (Mistral, Phi-3: `sliding_window`; Qwen2/Qwen3: the layers' own), or None; a window in some layers only is refused."
+def _layer_pattern(model) -> dict:
+    "`DecoderLM`'s `sliding_window` and (when the layers differ) `layer_types` from the layers' windows and the config's `layer_types`."
     cfg = model.config
-    windows = {getattr(l.self_attn, 'sliding_window', getattr(cfg, 'sliding_window', None)) for l in model.model.layers}
-    _check_config(len(windows) == 1, f"layer_types={getattr(cfg, 'layer_types', None)} (use_sliding_window="
-                  f"{getattr(cfg, 'use_sliding_window', None)}, max_window_layers={getattr(cfg, 'max_window_layers', None)}): "
-                  f"a sliding window in some layers only (DecoderLM's sliding_window is every layer's)", model)
-    return windows.pop()
+    windows = [getattr(l.self_attn, 'sliding_window', getattr(cfg, 'sliding_window', None)) for l in model.model.layers]
+    kinds = list(getattr(cfg, 'layer_types', None) or ['full_attention' if w is None else 'sliding_attention' for w in windows])
+    sizes = {w for w in windows if w is not None}
+    _check_config(len(sizes) <= 1 and all((k == 'sliding_attention') == (w is not None) for k, w in zip(kinds, windows))
+                  and set(kinds) <= {'full_attention', 'sliding_attention'},
+                  f"layer_types={kinds} with sliding_window={getattr(cfg, 'sliding_window', None)} (layer windows {windows}): "
+                  f"DecoderLM's sliding layers share one window, and its other layers attend to everything", model)
+    kw = {} if not sizes else {'sliding_window': int(sizes.pop())}
+    if len(set(kinds)) > 1: kw['layer_types'] = kinds   # one kind everywhere: `sliding_window` alone says it
+    return kw
 
-def _llama_model(model, position=None, partial_rotary:bool=False):
-    "LLaMA and its relatives: read the architecture from the modules (biases, q/k norms, pre/post norms, fused projections) and the config."
+_ACTIVATIONS = {'silu': 'swiglu', 'gelu_pytorch_tanh': 'geglu'}   # a transformers gated MLP's activation -> DecoderLM's ffn
+
+def _llama_model(model, position=None, partial_rotary:bool=False, softcap:bool=False):
+    "LLaMA and its relatives: read the architecture from the modules (biases, q/k norms, pre/post norms, norm offsets, scales, fused projections) and the config."
     cfg = model.config
     layers = model.model.layers
     l0, a0 = layers[0], layers[0].self_attn
     heads, kv, d_k = cfg.num_attention_heads, cfg.num_key_value_heads, a0.head_dim
-    _check_config(cfg.hidden_act == 'silu', f"hidden_act={cfg.hidden_act!r} (DecoderLM's swiglu is SiLU)", model)
+    act_key = 'hidden_activation' if getattr(cfg, 'hidden_activation', None) else 'hidden_act'   # Gemma 2/3: hidden_activation
+    act = getattr(cfg, act_key)
+    _check_config(act in _ACTIVATIONS, f"{act_key}={act!r} (DecoderLM's gated blocks: swiglu is SiLU, geglu GELU's tanh "
+                  f"approximation)", model)
+    _check_config(not getattr(cfg, 'use_bidirectional_attention', False), "use_bidirectional_attention=True "
+                  "(DecoderLM is causal)", model)
     (_, bq), _, _ = _qkv(a0, heads, kv, d_k)
     out_bias, mlp_bias = a0.o_proj.bias is not None, _mlp(l0.mlp)[2][1] is not None
     _check_config(out_bias == mlp_bias, f"attention_bias={getattr(cfg, 'attention_bias', out_bias)} and mlp_bias="
                   f"{getattr(cfg, 'mlp_bias', mlp_bias)}: an output projection {'with' if out_bias else 'without'} a bias and a "
                   f"feed-forward block {'with' if mlp_bias else 'without'} (DecoderLM's `bias` is both)", model)
+    offset = _norm_offset(model.model.norm)   # Gemma: every RMSNorm scales by 1 + weight
     qk = _qk_norm(a0, d_k)
     if qk is not None:
-        _check_config(a0.q_norm.variance_epsilon == cfg.rms_norm_eps, f"q_norm eps {a0.q_norm.variance_epsilon} != "
-                      f"rms_norm_eps={cfg.rms_norm_eps}", model)
+        _check_config(_eps(a0.q_norm) == cfg.rms_norm_eps and _norm_offset(a0.q_norm) == offset,
+                      f"q_norm eps {_eps(a0.q_norm)} != rms_norm_eps={cfg.rms_norm_eps}", model)
     pre, post = hasattr(l0, 'input_layernorm'), hasattr(l0, 'post_feedforward_layernorm')   # OLMo 2: post-norms only
-    base, rotary_dim, rope, mpe = _config_rope(cfg, d_k, whole_heads=None if partial_rotary else 'DecoderLM.from_transformers')
+    pattern = _layer_pattern(model)
+    kinds = pattern.get('layer_types') or ['sliding_attention' if pattern else 'full_attention']
+    main = 'full_attention' if 'full_attention' in kinds else kinds[0]   # the model's rope; other layer types' own below
+    whole = None if partial_rotary else 'DecoderLM.from_transformers'
+    base, rotary_dim, rope, mpe = _config_rope(cfg, d_k, whole_heads=whole, layer_type=main)
     resid = float(getattr(cfg, 'resid_pdrop', 0.0))   # Phi-3: on both branches, not on the embeddings
     # LLaMA drops its attention weights only: no dropout on the embeddings, the residual branches or the MLP
     kw = dict(d_model=cfg.hidden_size, heads=heads, n_layers=cfg.num_hidden_layers, d_ff=cfg.intermediate_size, dropout=0.0,
-              attention_dropout=float(cfg.attention_dropout), norm='rms', ffn='swiglu', bias=out_bias, head_bias=False,
+              attention_dropout=float(cfg.attention_dropout), norm='rms', ffn=_ACTIVATIONS[act], bias=out_bias, head_bias=False,
               norm_eps=float(cfg.rms_norm_eps), tie_embeddings=bool(cfg.tie_word_embeddings), kv_heads=kv, head_dim=d_k)
     if resid: kw.update(residual_dropout=resid, embedding_dropout=0.0)
     if (bq is not None) != out_bias: kw['qkv_bias'] = bq is not None   # Qwen2: q/k/v biases only
     if qk is not None: kw['qk_norm'] = qk
-    window = _window(model)
-    if window is not None: kw['sliding_window'] = int(window)
+    kw.update(pattern)
     if not pre or post: kw.update(pre_norm=pre, post_norm=post)
+    # Gemma: (1 + w) norms, embeddings times sqrt(d_model), its own score scale; Gemma 2: soft-capped scores and logits
+    if offset: kw['norm_offset'] = offset
+    scale = getattr(model.model.embed_tokens, 'embed_scale', None)
+    if scale is not None: kw['embed_scale'] = float(scale)
+    if abs(a0.scaling * math.sqrt(d_k) - 1) > 1e-12: kw['score_scale'] = float(a0.scaling)
+    if softcap and a0.attn_logit_softcapping is not None: kw['attn_softcap'] = float(a0.attn_logit_softcapping)
+    if getattr(cfg, 'final_logit_softcapping', None) is not None: kw['logit_softcap'] = float(cfg.final_logit_softcapping)
     pos = dict(position='rotary', base=base, rotary_dim=rotary_dim, rope_scaling=rope, max_position_embeddings=mpe)
+    own = {}   # Gemma 3: the sliding layers' rope (base 10,000) differs from the global layers' (1,000,000)
+    for kind in set(kinds) - {main}:
+        theirs = dict(zip(('base', 'rotary_dim', 'rope_scaling'), _config_rope(cfg, d_k, whole_heads=whole, layer_type=kind)))
+        differ = {k: v for k, v in theirs.items() if v != pos[k]}
+        if differ: own[kind] = differ
+    if own: kw['layer_positions'] = own
     sd = {'src_embed.weight': model.model.embed_tokens.weight, 'norm.weight': model.model.norm.weight}
     sd['generator.weight'] = model.lm_head.weight          # tied: the embedding itself
     for i, l in enumerate(layers):
@@ -265,7 +314,8 @@ def _neox_model(model, position=None):
 
 MODEL_CONVERTERS = {'LlamaForCausalLM': _llama_model, 'GPTNeoXForCausalLM': _neox_model, 'MistralForCausalLM': _llama_model,
                     'Qwen2ForCausalLM': _llama_model, 'Qwen3ForCausalLM': _llama_model, 'Olmo2ForCausalLM': _llama_model,
-                    'Phi3ForCausalLM': partial(_llama_model, partial_rotary=True)}
+                    'Phi3ForCausalLM': partial(_llama_model, partial_rotary=True), 'GemmaForCausalLM': _llama_model,
+                    'Gemma2ForCausalLM': partial(_llama_model, softcap=True), 'Gemma3ForCausalLM': _llama_model}
 SWAP_POSITIONS = ('rotary', 'none', 'alibi', 't5', 'fire')   # `position=` a converted model may take instead of its own
 
 # %% ../nbs/12_hf.ipynb #families01
@@ -275,10 +325,13 @@ CONFIG_REFUSALS = {
     'LlamaForCausalLM': ('hidden_act', 'attention_bias', 'mlp_bias', 'partial_rotary_factor'),
     'GPTNeoXForCausalLM': ('hidden_act', 'attention_bias'),
     'MistralForCausalLM': ('hidden_act', 'partial_rotary_factor'),
-    'Qwen2ForCausalLM': ('hidden_act', 'layer_types', 'partial_rotary_factor'),
-    'Qwen3ForCausalLM': ('hidden_act', 'attention_bias', 'layer_types', 'partial_rotary_factor'),
+    'Qwen2ForCausalLM': ('hidden_act', 'partial_rotary_factor'),
+    'Qwen3ForCausalLM': ('hidden_act', 'attention_bias', 'partial_rotary_factor'),
     'Olmo2ForCausalLM': ('hidden_act', 'attention_bias', 'partial_rotary_factor'),
     'Phi3ForCausalLM': ('hidden_act',),
+    'GemmaForCausalLM': ('hidden_act', 'attention_bias', 'use_bidirectional_attention'),
+    'Gemma2ForCausalLM': ('hidden_activation', 'attention_bias', 'use_bidirectional_attention'),
+    'Gemma3ForCausalLM': ('hidden_activation', 'attention_bias', 'use_bidirectional_attention'),
 }
 
 # %% ../nbs/12_hf.ipynb #ebf49dd7
@@ -313,7 +366,9 @@ def decoder_from_transformers(model:nn.Module,          # a transformers causal 
     if position is not None and position not in SWAP_POSITIONS:
         raise ValueError(f"position must be None (the model's own) or one of {SWAP_POSITIONS}, got {position!r}")
     n_vocab, kw, pos, sd = MODEL_CONVERTERS[name](model)
-    if position is not None and position != 'rotary': pos = dict(position=position, **position_kwargs)
+    if position is not None and position != 'rotary':
+        pos = dict(position=position, **position_kwargs)
+        kw.pop('layer_positions', None)   # the source's rope per layer type (Gemma 3) goes with its rotary positions
     elif position_kwargs: pos.update(position_kwargs)
     if pos['position'] not in GQA_POSITIONS: kw, sd = _one_kv_head_per_query_head(model, kw, sd)
     w = model.get_input_embeddings().weight
@@ -432,7 +487,11 @@ def decoder_to_transformers(lm:DecoderLM,           # a model whose layout a cla
         raise ValueError(f"to_transformers: position={name!r} has no transformers counterpart: the decoder classes relpos can "
                          f"build ({targets}) use rotary positions")
     attn = lm.layers[0].self_attn.module
-    problems = {cls: check(lm, attn, ignore_dropout) for cls, (check, _) in TO_TRANSFORMERS.items()}
+    # Gemma's switches and per-layer patterns: neither target class has them
+    shared = _needs([(k, getattr(lm, k), v) for k, v in (('norm_offset', 0.0), ('embed_scale', None), ('score_scale', None),
+                     ('attn_softcap', None), ('logit_softcap', None), ('layer_types', None), ('attention_chunk_size', None),
+                     ('layer_positions', None))])
+    problems = {cls: shared + check(lm, attn, ignore_dropout) for cls, (check, _) in TO_TRANSFORMERS.items()}
     cls = next((c for c, p in problems.items() if not p), None)
     if cls is None:
         raise ValueError("to_transformers: no transformers class expresses this DecoderLM: " +

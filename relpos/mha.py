@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = ['FAST_PATH_MAX_SCORE', 'GPU_BLOCK_SCORES', 'check_sequence', 'size_or_one', 'PrepareForMultiHeadAttention',
            'is_causal_mask', 'remember_causal', 'guard_double_backward', 'expand_kv', 'check_position_ids',
-           'check_position_order', 'scores_may_exceed', 'MultiHeadAttention', 'packed_causal_mask',
-           'packed_position_ids', 'functorch_active', 'differentiable_backward', 'check_chunk_size', 'available_cpus',
-           'head_workers', 'run_head_groups', 'block_key_ranges', 'block_rows']
+           'check_position_order', 'scores_may_exceed', 'MultiHeadAttention', 'softcapped_attention',
+           'packed_causal_mask', 'packed_position_ids', 'functorch_active', 'differentiable_backward',
+           'check_chunk_size', 'available_cpus', 'head_workers', 'run_head_groups', 'block_key_ranges', 'block_rows']
 
 # %% ../nbs/01_mha.ipynb #ed119fe5
 import math, os, weakref
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, List, Tuple
 import torch
@@ -244,6 +245,9 @@ class MultiHeadAttention(nn.Module):
     # this to True and receive the checked ids as `position_ids=` in `get_scores`, `position_bias`, `attention_fast`
     # and `attention_reference` (only when the caller gave some: the other layers keep their signatures).
     accepts_position_ids = False
+    # Soft-capped scores (Gemma 2): set on an instance, each logit s (scaled, bias added) becomes c tanh(s / c) before
+    # the mask. Fused kernels cannot cap: the readable path and `sdpa` (through `softcapped_attention`) do
+    softcap = None
     ordered_position_ids = False  # True: `check_position_order` runs on the ids (a method whose distances have a direction)
 
     # ---- input checks ----------------------------------------------------
@@ -298,6 +302,7 @@ class MultiHeadAttention(nn.Module):
             bias = bias.to(scores.dtype)
             if bias.dim() == 3: bias = bias.unsqueeze(0)
             scores = scores + bias.permute(2, 3, 0, 1)  # [B, H, sq, sk] -> [sq, sk, B, H]
+        if self.softcap is not None: scores = torch.tanh(scores / self.softcap) * self.softcap
         row_ok = None
         if mask is not None:
             # A row whose keys are all masked would be softmax(-inf, ..., -inf) = NaN. Its mask row
@@ -329,9 +334,9 @@ class MultiHeadAttention(nn.Module):
             if bias.dim() == 3: bias = bias.unsqueeze(0)
             attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float('-inf'))
         # grouped-query heads: SDPA's `enable_gqa` reads key/value head h // (heads // kv_heads), no copies
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=self.scale,
-                                           dropout_p=self.dropout.p if self.training else 0.0,
-                                           enable_gqa=k.shape[1] != q.shape[1])
+        attend = F.scaled_dot_product_attention if self.softcap is None else partial(softcapped_attention, softcap=self.softcap)
+        x = attend(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=self.scale,
+                   dropout_p=self.dropout.p if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
         guard_double_backward(x, q, attn_mask)   # see "Fast paths, higher-order gradients" below
         if row_ok is not None: x = x * row_ok
         # torch 2.13's fused CPU kernel returns 0, not NaN, for a query row holding a NaN/Inf when no
@@ -346,6 +351,7 @@ class MultiHeadAttention(nn.Module):
 
     def _fast_path_ok(self):
         cls = type(self)
+        if self.softcap is not None: return False   # the fused kernels cannot cap the scores
         # A subclass that changes `get_scores` but not `attention_fast` would silently lose its
         # score term on the fast path: send it to the readable path instead.
         return (cls.get_scores is MultiHeadAttention.get_scores
@@ -379,6 +385,28 @@ class MultiHeadAttention(nn.Module):
             x = self.attention_fast(query, key, value, mask, **pos)
             self.attn = None
         return self.output(x.reshape(seq_len, batch_size, self.heads * self.d_k))
+
+# %% ../nbs/01_mha.ipynb #softcap01
+def softcapped_attention(q:torch.Tensor, k:torch.Tensor, v:torch.Tensor, # `[batch, heads (k, v: kv_heads), seq, d]`
+                         attn_mask:Optional[torch.Tensor]=None, # bool (True: may attend) or float (added; -inf: hidden), broadcast to the scores
+                         dropout_p:float=0.0, is_causal:bool=False, scale:Optional[float]=None,
+                         enable_gqa:bool=False,   # key/value head h // (heads // kv_heads) serves query head h
+                         softcap:float=50.0,      # c: each logit s (scaled, float mask added) becomes c tanh(s / c)
+                        ) -> torch.Tensor:        # `[batch, heads, seq_q, d]`
+    "`F.scaled_dot_product_attention`'s arguments and result, with soft-capped logits (Gemma 2), from the scores."
+    if enable_gqa: k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    s = torch.matmul(q, k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    hidden = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool: hidden = ~attn_mask
+        else: s, hidden = s + attn_mask, attn_mask == float('-inf')
+    if is_causal:
+        later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        hidden = later if hidden is None else hidden | later
+    s = torch.tanh(s / softcap) * softcap
+    if hidden is not None: s = s.masked_fill(hidden, float('-inf'))   # tanh(-inf) = -1: masked again after the cap
+    return torch.matmul(F.dropout(s.softmax(-1), dropout_p), v)
+
 
 # %% ../nbs/01_mha.ipynb #6f4d2ea2
 def _check_doc_ids(doc_ids) -> torch.Tensor:
