@@ -13,7 +13,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
-from .mha import MultiHeadAttention, expand_kv, softcapped_attention
+from .mha import MultiHeadAttention, expand_kv, softcapped_attention, query_temperature
 from .relative_mha import RelativeMultiHeadAttention, XLRelativeMultiHeadAttention, sinusoid_positions
 from .rotary import RotaryMultiHeadAttention, apply_rotary
 from .alibi import ALiBiMultiHeadAttention, alibi_slopes
@@ -339,6 +339,9 @@ def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]
     "One layer's attention for the new tokens: project only them, write their keys and values into the cache, attend."
     b, n, _ = x.shape
     q, k, v = self.cache_project(x, step)                        # [b, n, heads, d], [b, n, kv_heads, d] x 2
+    if self.query_temperature is not None:                        # Llama 4: by the queries' stream index
+        t = torch.arange(cache.seen, cache.seen + n, device=q.device)
+        q = q * query_temperature(t, *self.query_temperature, q.dtype)[:, None, None]
     K, V = cache.keys[layer], cache.values[layer]
     if step.mode == 'prefill' and self.cache_prefill_ok(step):
         out = self.cache_prefill(q, k, v, step.prefill_mask())    # [b, n, heads, d]

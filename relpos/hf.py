@@ -87,9 +87,17 @@ def _qkv(m, heads:int, kv:int, d_k:int) -> list:
     return [(p.weight, p.bias) for p in (m.q_proj, m.k_proj, m.v_proj)]
 
 def _qk_norm(m, d_k:int) -> Optional[str]:
-    "`DecoderLM`'s `qk_norm` for an attention module: None, 'head' (a norm of `d_k` features: Qwen3) or 'full' (of the whole projection: OLMo 2)."
+    "`DecoderLM`'s `qk_norm` for an attention module: None, 'head' (a norm of `d_k` features: Qwen3), 'full' (of the whole projection: OLMo 2) or 'head_unscaled' (Llama 4's, without weights)."
+    if getattr(m, 'qk_norm', None) is not None: return 'head_unscaled'   # Llama 4: one weightless norm for both
     if getattr(m, 'q_norm', None) is None: return None
     return 'head' if m.q_norm.weight.shape[0] == d_k else 'full'
+
+def _qk_module(m) -> Optional[nn.Module]: return getattr(m, 'q_norm', None) or getattr(m, 'qk_norm', None)
+
+def _temperature(m) -> Optional[tuple]:
+    "Llama 4's query temperature `(floor_scale, attn_scale)` where its attention applies one (layers without rotation), else None."
+    if not getattr(m, 'attn_temperature_tuning', False) or getattr(m, 'use_rope', True): return None
+    return float(m.floor_scale), float(m.attn_scale)
 
 def _llama_state(m, heads:int, kv:int, d_k:int) -> dict:
     "relpos's names for a LLaMA-family attention's tensors."
@@ -98,23 +106,28 @@ def _llama_state(m, heads:int, kv:int, d_k:int) -> dict:
                             _qkv(m, heads, kv, d_k) + [(m.o_proj.weight, m.o_proj.bias)]):
         sd[f'{ours}.weight'] = w
         if b is not None: sd[f'{ours}.bias'] = b
-    if _qk_norm(m, d_k) is not None: sd['query.norm.weight'], sd['key.norm.weight'] = m.q_norm.weight, m.k_norm.weight
+    if _qk_norm(m, d_k) in ('head', 'full'): sd['query.norm.weight'], sd['key.norm.weight'] = m.q_norm.weight, m.k_norm.weight
     return sd
 
-def _llama(m, partial_rotary:bool=False, softcap:bool=False, **kw):
-    "LLaMA and the families that share its attention: Mistral, Qwen2 (q/k/v biases), Qwen3 and OLMo 2 (q/k norms), Phi-3 (fused q/k/v; `partial_rotary`), Gemma (its own scale; Gemma 2: `softcap`; Gemma 3: q/k norms, a rope per layer type)."
+def _llama(m, partial_rotary:bool=False, softcap:bool=False, interleaved:bool=False, **kw):
+    "LLaMA and the families that share its attention: Mistral, Qwen2 (q/k/v biases), Qwen3 and OLMo 2 (q/k norms), Phi-3 (fused q/k/v; `partial_rotary`), Gemma (its own scale; Gemma 2: `softcap`; Gemma 3: q/k norms, a rope per layer type), SmolLM3 (NoPE layers), Llama 4 (`interleaved` pairs, weightless q/k norms, a query temperature)."
     cfg = m.config
     heads, kv, d_k, d = cfg.num_attention_heads, cfg.num_key_value_heads, m.head_dim, cfg.hidden_size
     base, rotary_dim, rope, mpe = _config_rope(cfg, d_k, whole_heads=None if partial_rotary else 'from_transformers',
                                                layer_type=getattr(m, 'layer_type', None))
     (_, bq), _, (_, bv) = _qkv(m, heads, kv, d_k)
-    layer = RotaryMultiHeadAttention(heads, d, dropout_prob=float(getattr(cfg, 'attention_dropout', 0.0)), bias=bq is not None,
-                                     rotary_dim=rotary_dim, base=base, rope_scaling=rope, max_position_embeddings=mpe,
-                                     kv_heads=kv, head_dim=d_k)
+    common = dict(dropout_prob=float(getattr(cfg, 'attention_dropout', 0.0)), bias=bq is not None, kv_heads=kv, head_dim=d_k)
+    if getattr(m, 'use_rope', True):
+        layer = RotaryMultiHeadAttention(heads, d, rotary_dim=rotary_dim, base=base, rope_scaling=rope,
+                                         max_position_embeddings=mpe, interleaved=interleaved, **common)
+    else: layer = MultiHeadAttention(heads, d, **common)   # SmolLM3's NoPE layers: no rotation
     if bv is None: layer.value.linear.register_parameter('bias', None)
     if m.o_proj.bias is None: layer.output.register_parameter('bias', None)
     qk = _qk_norm(m, d_k)
-    if qk is not None: normalise_heads(layer, qk, 'rms', _eps(m.q_norm), _norm_offset(m.q_norm))
+    if qk is not None:
+        norm = _qk_module(m)
+        normalise_heads(layer, qk, 'rms', _eps(norm), 0.0 if qk == 'head_unscaled' else _norm_offset(norm))
+    layer.query_temperature = _temperature(m)
     if abs(m.scaling * math.sqrt(d_k) - 1) > 1e-12: layer.scale = float(m.scaling)   # Gemma 2/3: query_pre_attn_scalar
     if softcap: layer.softcap = m.attn_logit_softcapping
     return layer, _llama_state(m, heads, kv, d_k)
@@ -172,7 +185,8 @@ def _t5(m, t5_bias_from=None, **kw):
 ATTENTION_CONVERTERS = {'LlamaAttention': _llama, 'GPTNeoXAttention': _neox, 'GPTJAttention': _gptj,
                         'BloomAttention': _bloom, 'T5Attention': _t5, 'MistralAttention': _llama, 'Qwen2Attention': _llama,
                         'Qwen3Attention': _llama, 'Olmo2Attention': _llama, 'Phi3Attention': partial(_llama, partial_rotary=True),
-                        'GemmaAttention': _llama, 'Gemma2Attention': partial(_llama, softcap=True), 'Gemma3Attention': _llama}
+                        'GemmaAttention': _llama, 'Gemma2Attention': partial(_llama, softcap=True), 'Gemma3Attention': _llama,
+                        'SmolLM3Attention': _llama, 'Llama4TextAttention': partial(_llama, interleaved=True)}
 
 # %% ../nbs/12_hf.ipynb #610d28c1
 def from_transformers(module:nn.Module,                 # a transformers attention module (see `ATTENTION_CONVERTERS`)
@@ -209,17 +223,27 @@ def _layer_pattern(model) -> dict:
     windows = [getattr(l.self_attn, 'sliding_window', getattr(cfg, 'sliding_window', None)) for l in model.model.layers]
     kinds = list(getattr(cfg, 'layer_types', None) or ['full_attention' if w is None else 'sliding_attention' for w in windows])
     sizes = {w for w in windows if w is not None}
+    chunk = getattr(cfg, 'attention_chunk_size', None) if 'chunked_attention' in kinds else None   # Llama 4
     _check_config(len(sizes) <= 1 and all((k == 'sliding_attention') == (w is not None) for k, w in zip(kinds, windows))
-                  and set(kinds) <= {'full_attention', 'sliding_attention'},
+                  and set(kinds) <= set(LAYER_TYPES) and (chunk is not None) == ('chunked_attention' in kinds),
                   f"layer_types={kinds} with sliding_window={getattr(cfg, 'sliding_window', None)} (layer windows {windows}): "
                   f"DecoderLM's sliding layers share one window, and its other layers attend to everything", model)
     kw = {} if not sizes else {'sliding_window': int(sizes.pop())}
+    if chunk is not None: kw['attention_chunk_size'] = int(chunk)
     if len(set(kinds)) > 1: kw['layer_types'] = kinds   # one kind everywhere: `sliding_window` alone says it
     return kw
 
+def _per_type(model, kinds:list, name:str, values:list) -> dict:
+    "`{layer type: value}` of a per-layer value (Llama 4's q/k norm, temperature) that must be one per layer type, or refused naming `name`."
+    out = {}
+    for k, v in zip(kinds, values):
+        _check_config(out.setdefault(k, v) == v, f"{name} differing between layers of one layer type ({k!r}; "
+                      f"layer_types={kinds}): DecoderLM sets them per layer type", model)
+    return out
+
 _ACTIVATIONS = {'silu': 'swiglu', 'gelu_pytorch_tanh': 'geglu'}   # a transformers gated MLP's activation -> DecoderLM's ffn
 
-def _llama_model(model, position=None, partial_rotary:bool=False, softcap:bool=False):
+def _llama_model(model, position=None, partial_rotary:bool=False, softcap:bool=False, interleaved:bool=False):
     "LLaMA and its relatives: read the architecture from the modules (biases, q/k norms, pre/post norms, norm offsets, scales, fused projections) and the config."
     cfg = model.config
     layers = model.model.layers
@@ -231,31 +255,44 @@ def _llama_model(model, position=None, partial_rotary:bool=False, softcap:bool=F
                   f"approximation)", model)
     _check_config(not getattr(cfg, 'use_bidirectional_attention', False), "use_bidirectional_attention=True "
                   "(DecoderLM is causal)", model)
+    moe = getattr(cfg, 'moe_layers', None)
+    _check_config(not moe, f"moe_layers={moe} (mixture-of-experts feed-forward blocks)", model)
+    mlp = lambda l: getattr(l, 'mlp', None) or l.feed_forward   # Llama 4: feed_forward
     (_, bq), _, _ = _qkv(a0, heads, kv, d_k)
-    out_bias, mlp_bias = a0.o_proj.bias is not None, _mlp(l0.mlp)[2][1] is not None
+    out_bias, mlp_bias = a0.o_proj.bias is not None, _mlp(mlp(l0))[2][1] is not None
     _check_config(out_bias == mlp_bias, f"attention_bias={getattr(cfg, 'attention_bias', out_bias)} and mlp_bias="
                   f"{getattr(cfg, 'mlp_bias', mlp_bias)}: an output projection {'with' if out_bias else 'without'} a bias and a "
                   f"feed-forward block {'with' if mlp_bias else 'without'} (DecoderLM's `bias` is both)", model)
     offset = _norm_offset(model.model.norm)   # Gemma: every RMSNorm scales by 1 + weight
-    qk = _qk_norm(a0, d_k)
-    if qk is not None:
-        _check_config(_eps(a0.q_norm) == cfg.rms_norm_eps and _norm_offset(a0.q_norm) == offset,
-                      f"q_norm eps {_eps(a0.q_norm)} != rms_norm_eps={cfg.rms_norm_eps}", model)
+    for l in layers:
+        norm = _qk_module(l.self_attn)
+        if norm is not None:
+            scaled = _qk_norm(l.self_attn, d_k) != 'head_unscaled'
+            _check_config(_eps(norm) == cfg.rms_norm_eps and (not scaled or _norm_offset(norm) == offset),
+                          f"q_norm eps {_eps(norm)} != rms_norm_eps={cfg.rms_norm_eps}", model)
     pre, post = hasattr(l0, 'input_layernorm'), hasattr(l0, 'post_feedforward_layernorm')   # OLMo 2: post-norms only
     pattern = _layer_pattern(model)
-    kinds = pattern.get('layer_types') or ['sliding_attention' if pattern else 'full_attention']
+    kinds = pattern.get('layer_types') or [('chunked_attention' if pattern.get('attention_chunk_size') else
+                                            'sliding_attention' if pattern else 'full_attention')] * len(layers)
+    # Llama 4: a q/k norm in its rotary (chunked) layers, a temperature in the others: one value per layer type
+    qks = _per_type(model, kinds, 'use_qk_norm', [_qk_norm(l.self_attn, d_k) for l in layers])
+    temps = _per_type(model, kinds, 'attn_temperature_tuning', [_temperature(l.self_attn) for l in layers])
     main = 'full_attention' if 'full_attention' in kinds else kinds[0]   # the model's rope; other layer types' own below
     whole = None if partial_rotary else 'DecoderLM.from_transformers'
     base, rotary_dim, rope, mpe = _config_rope(cfg, d_k, whole_heads=whole, layer_type=main)
     resid = float(getattr(cfg, 'resid_pdrop', 0.0))   # Phi-3: on both branches, not on the embeddings
     # LLaMA drops its attention weights only: no dropout on the embeddings, the residual branches or the MLP
-    kw = dict(d_model=cfg.hidden_size, heads=heads, n_layers=cfg.num_hidden_layers, d_ff=cfg.intermediate_size, dropout=0.0,
+    d_ff = _mlp(mlp(l0))[0][0].shape[0]   # Llama 4's dense blocks: intermediate_size_mlp
+    kw = dict(d_model=cfg.hidden_size, heads=heads, n_layers=cfg.num_hidden_layers, d_ff=d_ff, dropout=0.0,
               attention_dropout=float(cfg.attention_dropout), norm='rms', ffn=_ACTIVATIONS[act], bias=out_bias, head_bias=False,
               norm_eps=float(cfg.rms_norm_eps), tie_embeddings=bool(cfg.tie_word_embeddings), kv_heads=kv, head_dim=d_k)
     if resid: kw.update(residual_dropout=resid, embedding_dropout=0.0)
     if (bq is not None) != out_bias: kw['qkv_bias'] = bq is not None   # Qwen2: q/k/v biases only
-    if qk is not None: kw['qk_norm'] = qk
+    if qks[main] is not None: kw['qk_norm'] = qks[main]
+    if temps[main] is not None: kw['query_temperature'] = temps[main]
     kw.update(pattern)
+    nope = [i for i, l in enumerate(layers) if not getattr(l.self_attn, 'use_rope', True)]   # SmolLM3: no rotation every 4th layer
+    if nope: kw['nope_layers'] = tuple(nope)
     if not pre or post: kw.update(pre_norm=pre, post_norm=post)
     # Gemma: (1 + w) norms, embeddings times sqrt(d_model), its own score scale; Gemma 2: soft-capped scores and logits
     if offset: kw['norm_offset'] = offset
@@ -265,10 +302,12 @@ def _llama_model(model, position=None, partial_rotary:bool=False, softcap:bool=F
     if softcap and a0.attn_logit_softcapping is not None: kw['attn_softcap'] = float(a0.attn_logit_softcapping)
     if getattr(cfg, 'final_logit_softcapping', None) is not None: kw['logit_softcap'] = float(cfg.final_logit_softcapping)
     pos = dict(position='rotary', base=base, rotary_dim=rotary_dim, rope_scaling=rope, max_position_embeddings=mpe)
+    if interleaved: pos['interleaved'] = True   # Llama 4: pairs of neighbouring features (complex numbers)
     own = {}   # Gemma 3: the sliding layers' rope (base 10,000) differs from the global layers' (1,000,000)
-    for kind in set(kinds) - {main}:
+    for kind in sorted(set(kinds) - {main}):
         theirs = dict(zip(('base', 'rotary_dim', 'rope_scaling'), _config_rope(cfg, d_k, whole_heads=whole, layer_type=kind)))
-        differ = {k: v for k, v in theirs.items() if v != pos[k]}
+        theirs.update(qk_norm=qks[kind], query_temperature=temps[kind])
+        differ = {k: v for k, v in theirs.items() if v != {**pos, 'qk_norm': qks[main], 'query_temperature': temps[main]}[k]}
         if differ: own[kind] = differ
     if own: kw['layer_positions'] = own
     sd = {'src_embed.weight': model.model.embed_tokens.weight, 'norm.weight': model.model.norm.weight}
@@ -280,7 +319,7 @@ def _llama_model(model, position=None, partial_rotary:bool=False, softcap:bool=F
                              norm_ff=getattr(l, 'pre_feedforward_layernorm', None) or l.post_attention_layernorm)
         if post: norms.update(post_norm_self_attn=l.post_attention_layernorm, post_norm_ff=l.post_feedforward_layernorm)
         for ours, theirs in norms.items(): sd[p + ours + '.weight'] = theirs.weight
-        for ours, (w, b) in zip(('gate', 'layer1', 'layer2'), _mlp(l.mlp)):
+        for ours, (w, b) in zip(('gate', 'layer1', 'layer2'), _mlp(mlp(l))):
             sd[p + f'feed_forward.{ours}.weight'] = w
             if b is not None: sd[p + f'feed_forward.{ours}.bias'] = b
         sd.update({p + 'self_attn.module.' + k: v for k, v in _llama_state(l.self_attn, heads, kv, d_k).items()})
@@ -315,7 +354,8 @@ def _neox_model(model, position=None):
 MODEL_CONVERTERS = {'LlamaForCausalLM': _llama_model, 'GPTNeoXForCausalLM': _neox_model, 'MistralForCausalLM': _llama_model,
                     'Qwen2ForCausalLM': _llama_model, 'Qwen3ForCausalLM': _llama_model, 'Olmo2ForCausalLM': _llama_model,
                     'Phi3ForCausalLM': partial(_llama_model, partial_rotary=True), 'GemmaForCausalLM': _llama_model,
-                    'Gemma2ForCausalLM': partial(_llama_model, softcap=True), 'Gemma3ForCausalLM': _llama_model}
+                    'Gemma2ForCausalLM': partial(_llama_model, softcap=True), 'Gemma3ForCausalLM': _llama_model,
+                    'SmolLM3ForCausalLM': _llama_model, 'Llama4ForCausalLM': partial(_llama_model, interleaved=True)}
 SWAP_POSITIONS = ('rotary', 'none', 'alibi', 't5', 'fire')   # `position=` a converted model may take instead of its own
 
 # %% ../nbs/12_hf.ipynb #families01
@@ -332,6 +372,8 @@ CONFIG_REFUSALS = {
     'GemmaForCausalLM': ('hidden_act', 'attention_bias', 'use_bidirectional_attention'),
     'Gemma2ForCausalLM': ('hidden_activation', 'attention_bias', 'use_bidirectional_attention'),
     'Gemma3ForCausalLM': ('hidden_activation', 'attention_bias', 'use_bidirectional_attention'),
+    'SmolLM3ForCausalLM': ('hidden_act', 'attention_bias', 'mlp_bias', 'partial_rotary_factor'),
+    'Llama4ForCausalLM': ('hidden_act', 'attention_bias', 'moe_layers'),
 }
 
 # %% ../nbs/12_hf.ipynb #ebf49dd7
@@ -368,7 +410,10 @@ def decoder_from_transformers(model:nn.Module,          # a transformers causal 
     n_vocab, kw, pos, sd = MODEL_CONVERTERS[name](model)
     if position is not None and position != 'rotary':
         pos = dict(position=position, **position_kwargs)
-        kw.pop('layer_positions', None)   # the source's rope per layer type (Gemma 3) goes with its rotary positions
+        # the source's rope per layer type (Gemma 3) goes with its rotary positions; q/k norms and temperatures stay
+        own = {k: {a: v for a, v in o.items() if a in ('qk_norm', 'query_temperature')}
+               for k, o in kw.pop('layer_positions', {}).items()}
+        if any(own.values()): kw['layer_positions'] = {k: o for k, o in own.items() if o}
     elif position_kwargs: pos.update(position_kwargs)
     if pos['position'] not in GQA_POSITIONS: kw, sd = _one_kv_head_per_query_head(model, kw, sd)
     w = model.get_input_embeddings().weight

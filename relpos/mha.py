@@ -6,8 +6,9 @@
 __all__ = ['FAST_PATH_MAX_SCORE', 'GPU_BLOCK_SCORES', 'check_sequence', 'size_or_one', 'PrepareForMultiHeadAttention',
            'is_causal_mask', 'remember_causal', 'guard_double_backward', 'expand_kv', 'check_position_ids',
            'check_position_order', 'scores_may_exceed', 'MultiHeadAttention', 'softcapped_attention',
-           'packed_causal_mask', 'packed_position_ids', 'functorch_active', 'differentiable_backward',
-           'check_chunk_size', 'available_cpus', 'head_workers', 'run_head_groups', 'block_key_ranges', 'block_rows']
+           'query_temperature', 'packed_causal_mask', 'packed_position_ids', 'functorch_active',
+           'differentiable_backward', 'check_chunk_size', 'available_cpus', 'head_workers', 'run_head_groups',
+           'block_key_ranges', 'block_rows']
 
 # %% ../nbs/01_mha.ipynb #ed119fe5
 import math, os, weakref
@@ -248,6 +249,9 @@ class MultiHeadAttention(nn.Module):
     # Soft-capped scores (Gemma 2): set on an instance, each logit s (scaled, bias added) becomes c tanh(s / c) before
     # the mask. Fused kernels cannot cap: the readable path and `sdpa` (through `softcapped_attention`) do
     softcap = None
+    # Llama 4's query temperature: `(floor_scale, attn_scale)` set on an instance multiplies query i (stream index t) by
+    # 1 + attn_scale * log(1 + floor((t + 1) / floor_scale)) (`query_temperature`), which sharpens attention far out
+    query_temperature = None
     ordered_position_ids = False  # True: `check_position_order` runs on the ids (a method whose distances have a direction)
 
     # ---- input checks ----------------------------------------------------
@@ -377,6 +381,9 @@ class MultiHeadAttention(nn.Module):
         pos = {} if ids is None else {'position_ids': ids}   # passed on only when given (see `accepts_position_ids`)
         seq_len, batch_size, _ = query.shape
         query, key, value = self.query(query), self.key(key), self.value(value)
+        if self.query_temperature is not None:   # query i is at stream index i + seq_k - seq_q (memory first)
+            t = torch.arange(key.shape[0] - seq_len, key.shape[0], device=query.device)
+            query = query * query_temperature(t, *self.query_temperature, query.dtype)[:, None, None, None]
         need_weights = self.need_weights if need_weights is None else need_weights
         if need_weights or not self._fast_path_ok() or self._large_scores(query, key):
             x, attn = self.attention_reference(query, key, value, mask, **pos)
@@ -406,6 +413,15 @@ def softcapped_attention(q:torch.Tensor, k:torch.Tensor, v:torch.Tensor, # `[bat
     s = torch.tanh(s / softcap) * softcap
     if hidden is not None: s = s.masked_fill(hidden, float('-inf'))   # tanh(-inf) = -1: masked again after the cap
     return torch.matmul(F.dropout(s.softmax(-1), dropout_p), v)
+
+def query_temperature(t:torch.Tensor,     # int `[n]`: the queries' indices in the stream (0 for the first token)
+                      floor_scale:float,  # Llama 4: 8192
+                      attn_scale:float,   # Llama 4: 0.1
+                      dtype:torch.dtype,  # the queries' dtype (computed in float32, float64 for float64, as transformers)
+                     ) -> torch.Tensor:   # `[n]`: what each query is multiplied by
+    "Llama 4's temperature on the queries of its NoPE layers: $1 + s \\log(1 + \\lfloor (t + 1) / f \\rfloor)$, 1 for the first $f - 1$ tokens."
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (torch.log1p(torch.floor((t.to(wide) + 1.0) / floor_scale)) * attn_scale + 1.0).to(dtype)
 
 
 # %% ../nbs/01_mha.ipynb #6f4d2ea2

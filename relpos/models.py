@@ -255,7 +255,7 @@ class DecoderLayer(nn.Module):
         return x + ff(x)
 
 # %% ../nbs/09_models.ipynb #qknorm01
-QK_NORMS = (None, 'head', 'full')   # `DecoderLM(qk_norm=)`: none, per head (Qwen3), over the whole projection (OLMo 2)
+QK_NORMS = (None, 'head', 'full', 'head_unscaled')   # `DecoderLM(qk_norm=)`: none, per head (Qwen3), over the whole projection (OLMo 2), per head without a learned scale (Llama 4)
 
 class NormedHeads(PrepareForMultiHeadAttention):
     "`PrepareForMultiHeadAttention` whose output is normalised: each head alone (`per_head`, Qwen3) or the whole projection before the split (OLMo 2)."
@@ -263,10 +263,14 @@ class NormedHeads(PrepareForMultiHeadAttention):
                  norm:str='rms',        # 'layer' or 'rms'
                  eps:float=1e-5,        # the norm's epsilon
                  per_head:bool=True,    # True: a norm over `d_k`, shared by the heads; False: over `heads * d_k`
-                 offset:float=0.0):     # the norm scales by `offset + weight` (Gemma 3: 1)
+                 offset:float=0.0,      # the norm scales by `offset + weight` (Gemma 3: 1)
+                 scaled:bool=True):     # False: no learned scale (Llama 4's RMS norm of each head)
         super().__init__(d_model, heads, d_k, bias)
         self.per_head = per_head
-        self.norm = make_norm(norm, d_k if per_head else heads * d_k, eps, offset)
+        d = d_k if per_head else heads * d_k
+        if scaled: self.norm = make_norm(norm, d, eps, offset)
+        elif norm == 'rms': self.norm = nn.RMSNorm([d], eps=eps, elementwise_affine=False)
+        else: self.norm = nn.LayerNorm([d], eps=eps, elementwise_affine=False)
 
     def forward(self, x:torch.Tensor): # `[..., d_model]` -> `[..., heads, d_k]`
         y = super().forward(x)
@@ -279,7 +283,8 @@ def normalise_heads(module:MultiHeadAttention, # its `query` and `key` become `N
     if qk_norm not in QK_NORMS[1:]: raise ValueError(f"qk_norm must be one of {QK_NORMS[1:]}, got {qk_norm!r}")
     for name in ('query', 'key'):
         old = getattr(module, name)
-        new = NormedHeads(old.linear.in_features, old.heads, old.d_k, False, norm, eps, per_head=qk_norm == 'head', offset=offset)
+        new = NormedHeads(old.linear.in_features, old.heads, old.d_k, False, norm, eps, per_head=qk_norm != 'full', offset=offset,
+                          scaled=qk_norm != 'head_unscaled')
         new.linear = old.linear
         setattr(module, name, new.to(old.linear.weight))   # the module's dtype and device
 
@@ -288,6 +293,14 @@ GQA_POSITIONS = ('none', 'rotary', 'alibi', 't5', 'kerple', 'xpos', 'fox')   # p
 BIAS_POSITIONS = GQA_POSITIONS + ('fourier', 'fire')   # positions whose attention takes bias=False (query/key/value without biases)
 SOFTCAP_POSITIONS = ('none', 'rotary', 'alibi', 't5', 'fire', 'kerple')   # positions whose paths take `attn_softcap` (and `score_scale`)
 LAYER_TYPES = ('full_attention', 'sliding_attention', 'chunked_attention')   # `DecoderLM(layer_types=)`, transformers' names
+
+def _check_temperature(x, name:str) -> Optional[Tuple[float, float]]:
+    "None, or `(floor_scale > 0, attn_scale)` as floats; errors name the argument."
+    if x is None: return None
+    ok = isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                              and math.isfinite(v) for v in x) and x[0] > 0
+    if not ok: raise ValueError(f"{name} must be None or (floor_scale > 0, attn_scale), Llama 4's (8192, 0.1); got {x!r}")
+    return float(x[0]), float(x[1])
 
 def _check_positive(x, name:str) -> Optional[float]:
     "None, or a finite number > 0 as a float; errors name the argument."
@@ -350,7 +363,8 @@ class DecoderLM(nn.Module):
                  logit_softcap:Optional[float]=None, # each output logit likewise (Gemma 2: 30); None: none
                  layer_types=None,              # per layer one of `LAYER_TYPES`; None: every layer 'sliding_attention' with `sliding_window`, 'chunked_attention' with `attention_chunk_size`, else 'full_attention'
                  attention_chunk_size:Optional[int]=None, # 'chunked_attention' layers attend within chunks of this many tokens (Llama 4)
-                 layer_positions:Optional[dict]=None, # per layer type, position keyword arguments (or `position=`) replacing the model's in those layers (Gemma 3: `{'sliding_attention': dict(base=1e4)}`)
+                 query_temperature:Optional[tuple]=None, # `(floor_scale, attn_scale)`: query at stream index t times 1 + attn_scale log(1 + floor((t + 1) / floor_scale)) (Llama 4)
+                 layer_positions:Optional[dict]=None, # per layer type, position keyword arguments (or `position=`, `qk_norm=`, `query_temperature=`) replacing the model's in those layers (Gemma 3: `{'sliding_attention': dict(base=1e4)}`)
                  **position_kwargs):         # passed to the position method's attention module (e.g. `P=`, `k=`, `rope_scaling=`)
         super().__init__()
         if norm not in NORMS: raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -371,7 +385,10 @@ class DecoderLM(nn.Module):
             raise ValueError(f"norm_offset must be a finite number (Gemma: 1.0), got {norm_offset!r}")
         self.embed_scale, self.score_scale = _check_positive(embed_scale, 'embed_scale'), _check_positive(score_scale, 'score_scale')
         self.attn_softcap, self.logit_softcap = _check_positive(attn_softcap, 'attn_softcap'), _check_positive(logit_softcap, 'logit_softcap')
-        for arg, value in (('attn_softcap', self.attn_softcap), ('score_scale', self.score_scale)):
+        self.query_temperature = _check_temperature(query_temperature, 'query_temperature')
+        tempered = self.query_temperature or any(o.get('query_temperature') for o in (layer_positions or {}).values())
+        for arg, value in (('attn_softcap', self.attn_softcap), ('score_scale', self.score_scale),
+                           ('query_temperature', tempered or None)):
             used = {position} | {o.get('position', position) for o in (layer_positions or {}).values()}
             if value is not None and not used <= set(SOFTCAP_POSITIONS):
                 raise ValueError(f"{arg}={value}: position={sorted(used - set(SOFTCAP_POSITIONS))[0]!r}'s attention paths do not "
@@ -455,12 +472,14 @@ class DecoderLM(nn.Module):
         if self.head_dim is not None: kw['head_dim'] = self.head_dim
         qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
         if not qkv_bias: kw['bias'] = False
+        qk_norm, temperature = self.qk_norm, self.query_temperature   # a layer type may have its own (Llama 4)
         if layer in self.nope_layers:
             attn = LabmlPosition(MultiHeadAttention)(self.d_model, self.heads, self.attention_dropout, self.max_len, self.mem_len, **kw)
         else:
             # the layer type's own position arguments (Gemma 3: another rope base in its sliding layers) replace the model's
             own = dict((self.layer_positions or {}).get(self.layer_type(layer), {}))
             position = own.pop('position', self.position)
+            qk_norm, temperature = own.pop('qk_norm', qk_norm), own.pop('query_temperature', temperature)
             build = POSITION_BUILDERS[position] if isinstance(position, str) else position
             attn = build(self.d_model, self.heads, self.attention_dropout, self.max_len, self.mem_len,
                          **{**(self.position_kwargs if position == self.position else {}), **own, **kw})
@@ -469,11 +488,11 @@ class DecoderLM(nn.Module):
             # labml's value and output projections always have a bias: removed where the model has none (LLaMA: none)
             if not qkv_bias: module.value.linear.register_parameter('bias', None)
             if not self.bias: module.output.register_parameter('bias', None)
-            if self.qk_norm is not None: normalise_heads(module, self.qk_norm, self.norm_kind, self.norm_eps, self.norm_offset)
+            if qk_norm is not None: normalise_heads(module, qk_norm, self.norm_kind, self.norm_eps, self.norm_offset)
             if self.score_scale is not None: module.scale = self.score_scale
-            module.softcap = self.attn_softcap
-        elif not self.bias or self.qk_norm is not None:
-            arg = f"qk_norm={self.qk_norm!r}" if self.qk_norm is not None else "bias=False"
+            module.softcap, module.query_temperature = self.attn_softcap, temperature
+        elif not self.bias or qk_norm is not None:
+            arg = f"qk_norm={qk_norm!r}" if qk_norm is not None else "bias=False"
             raise ValueError(f"{arg}: layer {layer}'s attention ({type(module).__name__}) is not a relpos.mha.MultiHeadAttention, "
                              f"whose projections {arg} changes; use a position in {BIAS_POSITIONS}")
         return attn
@@ -513,6 +532,12 @@ def _check_layer_pattern(self:DecoderLM, n_layers, layer_types, sliding_window, 
             raise ValueError(f"layer_positions must map layer types {LAYER_TYPES} to dicts of position keyword arguments, "
                              f"got {layer_positions!r}")
         for kind, own in layer_positions.items():
+            if own.get('qk_norm') not in QK_NORMS:
+                raise ValueError(f"layer_positions[{kind!r}]['qk_norm'] must be one of {QK_NORMS}, got {own['qk_norm']!r}")
+            if 'query_temperature' in own:
+                own = {**own, 'query_temperature': _check_temperature(own['query_temperature'],
+                                                                      f"layer_positions[{kind!r}]['query_temperature']")}
+                layer_positions = {**layer_positions, kind: own}
             p = own.get('position', position)
             if not (callable(p) or p in POSITION_BUILDERS):
                 raise ValueError(f"layer_positions[{kind!r}]['position'] must be one of POSITIONS or a builder, got {p!r}")
@@ -1262,6 +1287,7 @@ def to_config(self:DecoderLM) -> dict:
                 attn_softcap=self.attn_softcap, logit_softcap=self.logit_softcap,
                 layer_types=None if self.layer_types is None else list(self.layer_types),
                 attention_chunk_size=self.attention_chunk_size, layer_positions=self.layer_positions,
+                query_temperature=self.query_temperature,
                 **self.position_kwargs)
 
 @patch

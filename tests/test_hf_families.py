@@ -44,8 +44,16 @@ CASES = {   # id: (family, config overrides)
     'gemma3_scaled_global': ('Gemma3', dict(num_hidden_layers=3, sliding_window=5, sliding_window_pattern=3, rope_parameters={
         'full_attention': {'rope_type': 'linear', 'factor': 4.0, 'rope_theta': 1e6},
         'sliding_attention': {'rope_type': 'default', 'rope_theta': 100.0}}, num_key_value_heads=1, head_dim=8)),
+    'smollm3': ('SmolLM3', dict(num_hidden_layers=4)),   # every 4th layer without rotation: layer 3
+    'smollm3_windows': ('SmolLM3', dict(num_hidden_layers=4, no_rope_layer_interval=2, use_sliding_window=True,
+                                        sliding_window=4)),   # NoPE layers 1 and 3, windowed
+    'llama4': ('Llama4', dict(num_hidden_layers=4, head_dim=8, moe_layers=[], intermediate_size_mlp=96, attention_chunk_size=4,
+                              floor_scale=3, attn_scale=0.5)),   # chunked rotary layers 0-2 (q/k norms), NoPE layer 3 (temperature)
+    'llama4_plain': ('Llama4', dict(num_hidden_layers=4, head_dim=8, moe_layers=[], intermediate_size_mlp=96, attention_chunk_size=6,
+                                    no_rope_layer_interval=2, use_qk_norm=False, attn_temperature_tuning=False,
+                                    tie_word_embeddings=True)),
 }
-CONFIGS = {'Gemma3': 'Gemma3TextConfig'}   # config class names that are not <family>Config
+CONFIGS = {'Gemma3': 'Gemma3TextConfig', 'Llama4': 'Llama4TextConfig'}   # config class names that are not <family>Config
 EAGER = {'Gemma2'}   # transformers' SDPA path drops Gemma 2's soft-capping: its eager attention is the reference
 
 
@@ -94,7 +102,7 @@ def test_logits_equal_transformers(name):
 
 
 @pytest.mark.parametrize("name", ['mistral_window', 'qwen2', 'qwen3', 'olmo2', 'phi3_longrope_window', 'qwen2_some_windows',
-                                  'gemma', 'gemma2', 'gemma3'])
+                                  'gemma', 'gemma2', 'gemma3', 'smollm3_windows'])
 def test_logits_with_left_padding(name):
     model = case(name)
     lm = DecoderLM.from_transformers(model)
@@ -145,10 +153,10 @@ def test_architecture_read_from_the_modules():
 
 # ---------------------------------------------------------------- greedy tokens and cached decoding
 GEMMAS = ['gemma', 'gemma2', 'gemma3', 'gemma3_scaled_global']
+PATTERNS = ['qwen2_some_windows', 'smollm3', 'smollm3_windows', 'llama4', 'llama4_plain'] + GEMMAS
 
 
-@pytest.mark.parametrize("name", ['mistral_window', 'qwen2_window', 'qwen3', 'olmo2', 'phi3', 'phi3_longrope_window',
-                                  'qwen2_some_windows'] + GEMMAS)
+@pytest.mark.parametrize("name", ['mistral_window', 'qwen2_window', 'qwen3', 'olmo2', 'phi3', 'phi3_longrope_window'] + PATTERNS)
 def test_greedy_tokens_equal_transformers_generate(name):
     model = case(name, scale=4.0)   # larger weights: peaked distributions, many different tokens
     if name in GEMMAS:   # embeddings times sqrt(d_model) would drown the post-normed branches: each row one token
@@ -164,7 +172,7 @@ def test_greedy_tokens_equal_transformers_generate(name):
 
 
 @pytest.mark.parametrize("name", ['mistral_window', 'qwen2_window', 'qwen3', 'qwen3_mqa_tied', 'olmo2', 'phi3',
-                                  'phi3_longrope_window', 'qwen2_some_windows'] + GEMMAS)
+                                  'phi3_longrope_window'] + PATTERNS)
 def test_cached_decoding_equals_the_full_forward(name):
     model = case(name)
     lm = DecoderLM.from_transformers(model)
@@ -293,6 +301,13 @@ REFUSED = {   # (model class, config key): overrides that set it to a value Deco
     ('Gemma3', 'hidden_activation'): dict(hidden_activation='relu'),
     ('Gemma3', 'attention_bias'): dict(attention_bias=True),
     ('Gemma3', 'use_bidirectional_attention'): dict(use_bidirectional_attention=True),
+    ('SmolLM3', 'hidden_act'): dict(hidden_act='gelu'),
+    ('SmolLM3', 'attention_bias'): dict(attention_bias=True),
+    ('SmolLM3', 'mlp_bias'): dict(mlp_bias=True),
+    ('SmolLM3', 'partial_rotary_factor'): dict(rope_parameters=dict(YARN_PARTIAL)),
+    ('Llama4', 'hidden_act'): dict(hidden_act='gelu', moe_layers=[]),
+    ('Llama4', 'attention_bias'): dict(attention_bias=True, moe_layers=[]),
+    ('Llama4', 'moe_layers'): dict(moe_layers=[1], num_local_experts=2),
 }
 
 
@@ -386,7 +401,7 @@ def test_gemma_architecture_read_from_the_modules():
     assert g3.layer_positions == {'sliding_attention': dict(base=1e4)}
 
 
-@pytest.mark.parametrize("name", ['gemma2', 'gemma3', 'qwen2_some_windows'])
+@pytest.mark.parametrize("name", ['gemma2', 'gemma3', 'qwen2_some_windows', 'smollm3_windows'])
 def test_per_layer_windows_and_bases_are_the_sources(name):
     "Without the sliding layers' window, or with the global rope base in them, the logits beyond the window differ."
     model = case(name)
@@ -502,3 +517,72 @@ def test_to_transformers_refuses_what_llama_cannot_express():
     lm = DecoderLM(11, d_model=16, heads=2, n_layers=2, position='rotary', norm='rms', ffn='swiglu', bias=False,
                    layer_types=['sliding_attention', 'full_attention'], sliding_window=3)
     with pytest.raises(ValueError, match="layer_types="): lm.to_transformers()
+
+
+@pytest.mark.parametrize("name", ['smollm3', 'smollm3_windows'])
+def test_smollm3_nope_layers_are_the_sources(name):
+    "SmolLM3's layers without rotation are DecoderLM's nope_layers; rotating them too changes the logits."
+    model = case(name)
+    lm = DecoderLM.from_transformers(model)
+    want = [i for i, r in enumerate(model.config.no_rope_layers) if not r]
+    assert list(lm.nope_layers) == want == ([3] if name == 'smollm3' else [1, 3])
+    assert [type(l.self_attn.module).__name__ for l in lm.layers][want[0]] == 'MultiHeadAttention'
+    assert type(from_transformers(model.model.layers[want[0]].self_attn)).__name__ == 'MultiHeadAttention'
+    if name == 'smollm3_windows':
+        assert lm.layer_types == ('full_attention', 'sliding_attention') * 2 and lm.sliding_window == 4
+    x = tokens(2, 16)
+    rotated = DecoderLM.from_transformers(model)
+    rotated_sd = rotated.state_dict()
+    rotated = DecoderLM(V, **{**{k: v for k, v in rotated.to_config().items() if k != 'n_vocab'}, 'nope_layers': ()}).double()
+    rotated.load_state_dict(rotated_sd)
+    with torch.no_grad():
+        assert max_err(lm(x)[0], ref_logits(model, x)) <= TOL and max_err(rotated(x)[0], ref_logits(model, x)) > 1e-4
+
+
+def test_llama4_layer_pattern_read_from_the_modules():
+    "Llama 4: chunked rotary layers (interleaved pairs, weightless q/k norms) and a NoPE layer with the query temperature."
+    model = case('llama4')
+    lm = DecoderLM.from_transformers(model)
+    assert lm.layer_types == ('chunked_attention',) * 3 + ('full_attention',) and lm.attention_chunk_size == 4
+    assert lm.nope_layers == (3,) and lm.query_temperature == (3.0, 0.5) and lm.qk_norm is None
+    assert lm.layer_positions == {'chunked_attention': {'qk_norm': 'head_unscaled', 'query_temperature': None}}
+    a, nope = lm.layers[0].self_attn.module, lm.layers[3].self_attn.module
+    assert a.interleaved and a.query.norm.weight is None and a.query_temperature is None
+    assert type(nope).__name__ == 'MultiHeadAttention' and nope.query_temperature == (3.0, 0.5)
+    assert lm.new_cache(2, 64).max_cache_len == 64   # the NoPE layer attends everything
+    x = tokens(2, 14)
+    want = ref_logits(model, x)
+    for change in ('chunk', 'temperature'):   # without either, other logits: both are the source's
+        other = DecoderLM.from_transformers(model)
+        if change == 'chunk': other.attention_chunk_size = 14
+        else: other.layers[3].self_attn.module.query_temperature = None
+        with torch.no_grad(): assert max_err(other(x)[0], want) > 1e-4, change
+    uniform = DecoderLM.from_transformers(case('llama4_plain'))   # NoPE layers 1 and 3, no norms, no temperature
+    assert uniform.nope_layers == (1, 3) and uniform.layer_positions is None and uniform.attention_chunk_size == 6
+
+
+def test_chunked_layers_decode_from_a_ring_of_one_chunk():
+    "Every layer chunked: the cache keeps one chunk of slots, and decoding across chunk boundaries equals the full forward."
+    torch.manual_seed(0)
+    lm = DecoderLM(13, d_model=16, heads=2, n_layers=2, position='rotary', attention_chunk_size=4, norm='rms',
+                   query_temperature=(2.0, 0.3)).double().eval()
+    x = torch.randint(0, 13, (2, 15), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = lm(x)[0]
+        cache = lm.new_cache(2, 100)
+        assert cache.max_cache_len == 4
+        got = [lm(x[:, :6], cache=cache)[0], lm(x[:, 6:9], cache=cache)[0]] + [lm(x[:, t:t + 1], cache=cache)[0] for t in range(9, 15)]
+        assert max_err(torch.cat(got, 1), want) <= TOL and max_err(full_logits(lm, x), want) <= TOL
+        lm.attention_chunk_size = None   # the chunks matter
+        assert max_err(lm(x)[0][:, 4:], want[:, 4:]) > 1e-4
+
+
+def test_query_temperature_and_unscaled_norms_checked():
+    with pytest.raises(ValueError, match=r"query_temperature must be None or \(floor_scale > 0, attn_scale\)"):
+        DecoderLM(11, position='rotary', query_temperature=(0, 0.1))
+    with pytest.raises(ValueError, match="query_temperature=True: position='xl'"):
+        DecoderLM(11, layer_positions={'full_attention': dict(query_temperature=(8, 0.1))})
+    with pytest.raises(ValueError, match=r"layer_positions\['full_attention'\]\['qk_norm'\] must be one of"):
+        DecoderLM(11, position='rotary', layer_positions={'full_attention': dict(qk_norm='l2')})
+    lm = DecoderLM(11, d_model=16, heads=2, n_layers=1, position='rotary', qk_norm='head_unscaled')
+    assert lm.layers[0].self_attn.module.query.norm.weight is None and not any('norm.weight' in k and 'query' in k for k in lm.state_dict())
