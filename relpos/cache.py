@@ -62,6 +62,7 @@ class KVCache:
         self.valid = torch.zeros(b, L, dtype=torch.bool, device=self.device)      # the slot holds a token this row may attend
         self.times = torch.full((L,), -1, dtype=torch.long, device=self.device)  # which token of the stream a slot holds
         self.next_position = torch.zeros(b, dtype=torch.long, device=self.device) # position id of each row's next token
+        self.first_time = torch.full((b,), -1, dtype=torch.long, device=self.device) # stream time of each row's first token (-1: none yet): chunks start there
         self.seen = 0           # tokens written into the stream (every row advances together)
         self.all_valid = True   # no padding and no reset so far: the filled slots need no mask
         self.tables = [None] * len(attentions)   # per layer: what its position term needs that no parameter changes
@@ -93,12 +94,13 @@ def reset(self:KVCache, which:torch.Tensor): # bool `[batch]`: rows whose docume
     if not bool(which.any()): return
     self.valid.masked_fill_(which[:, None], False)
     self.next_position.masked_fill_(which, 0)
+    self.first_time.masked_fill_(which, -1)   # the new document's chunks start at its first token
     self.all_valid = False
 
 @patch
 def clear(self:KVCache):
     "Empty the cache (every row), keeping its buffers."
-    self.valid.zero_(); self.next_position.zero_(); self.times.fill_(-1)
+    self.valid.zero_(); self.next_position.zero_(); self.times.fill_(-1); self.first_time.fill_(-1)
     self.seen, self.all_valid = 0, True
     self.tables = [None] * self.n_layers
 
@@ -107,14 +109,14 @@ def clear(self:KVCache):
 def _state(self:KVCache) -> tuple:
     "What a call may change besides the key/value slots (each write keeps those it overwrites): put back if the call fails."
     return (self.positions.clone(), self.valid.clone(), self.times.clone(), self.next_position.clone(),
-            self.seen, self.all_valid, list(self.tables))
+            self.seen, self.all_valid, list(self.tables), self.first_time.clone())
 
 @patch
 def _restore(self:KVCache, state:tuple, # from `_state`, taken before the call
              undo:list):                # `(K, V, slots, k, v)` per write of the call: the slots' contents before it
     "Undo a failed call: the key/value slots it overwrote (newest first), then the position ids, validity, times and counters."
     for K, V, w, k, v in reversed(undo): _put(K, V, w, k, v)
-    positions, valid, times, self.next_position, self.seen, self.all_valid, self.tables = state
+    positions, valid, times, self.next_position, self.seen, self.all_valid, self.tables, self.first_time = state
     self.positions.copy_(positions); self.valid.copy_(valid); self.times.copy_(times)
 
 # %% ../nbs/09a_cache.ipynb #b7c1e0a4
@@ -175,6 +177,7 @@ class CacheStep:
         "After the layers: the shared state of prefill/extend steps, and the counters."
         c = self.cache
         if self.mode != 'decode': self._commit_slots()
+        c.first_time = self.first_times()
         c.seen += self.n
         if self.new_valid is not None: c.all_valid = False
         c.next_position = self.q_pos[:, -1] + 1 if self.new_valid is None else torch.where(
@@ -196,6 +199,21 @@ class CacheStep:
         if self.mode == 'decode': return c.positions[:, :self.length]
         return torch.cat([c.positions[:, :len(c)], self.q_pos], 1)
 
+    def first_times(self) -> torch.Tensor:
+        "`[b]`: each row's first token's stream time, these new tokens counted (a row with none yet: the step's first)."
+        c = self.cache
+        if 'first' not in self.memo:
+            if self.new_valid is None: new = torch.full_like(c.first_time, c.seen)
+            else: new = c.seen + torch.where(self.new_valid.any(1), self.new_valid.int().argmax(1), self.n)
+            self.memo['first'] = torch.where(c.first_time >= 0, c.first_time, new)
+        return self.memo['first']
+
+    def _near(self, t_q:torch.Tensor, t_k:torch.Tensor, w, ch) -> torch.Tensor:
+        "`attention_pattern` of stream times `t_q [n, 1]`, `t_k [1, keys]`; with chunks, per row `[b, n, keys]`, counted from its first token."
+        if ch is None: return attention_pattern(t_q, t_k, w, None)
+        f = self.first_times()[:, None, None]
+        return attention_pattern(t_q - f, t_k - f, w, ch)
+
     def _narrower(self) -> tuple:
         "The layer's (window, chunk) where they hide more than the ring does: a window shorter than it, any chunk."
         w, ch = self.pattern
@@ -215,17 +233,18 @@ class CacheStep:
                 m[:, self.write] = True               # a query always sees itself, padding too: no fully masked row (NaN)
                 m = m[:, None, None, :]
             if w is not None or ch is not None:       # this layer's window or chunk, by stream time
-                near = attention_pattern(torch.tensor(c.seen, device=c.device), c.times[:self.length], w, ch)
-                m = near[None, None, None] if m is None else m & near
+                near = self._near(torch.tensor([[c.seen]], device=c.device), c.times[None, :self.length], w, ch)
+                near = near.reshape(-1, 1, 1, self.length)                        # [b|1, 1, 1, keys]
+                m = near if m is None else m & near
         else:   # extend: cached keys, then the new ones; causal and windowed by stream time
             L, f = c.max_cache_len, len(c)
             t_k = torch.cat([c.times[:f], torch.arange(c.seen, c.seen + n, device=c.device)])
             t_q = torch.arange(c.seen, c.seen + n, device=c.device)
             d = t_q[:, None] - t_k[None, :]
-            m = (d < L) & attention_pattern(t_q[:, None], t_k[None, :], w, ch)   # [n, keys]
+            m = (d < L) & self._near(t_q[:, None], t_k[None, :], w, ch)          # [n, keys] ([b, n, keys] with chunks)
             valid = c.valid[:, :f] if self.new_valid is None else c.valid[:, :f]
             new = torch.ones(c.batch_size, n, dtype=torch.bool, device=c.device) if self.new_valid is None else self.new_valid
-            m = (m[None] & torch.cat([valid, new], 1)[:, None, :]) | (d == 0)[None]  # [b, n, keys], a query sees itself
+            m = ((m if m.dim() == 3 else m[None]) & torch.cat([valid, new], 1)[:, None, :]) | (d == 0)[None]  # [b, n, keys], a query sees itself
             m = m[:, None]
         self.memo[key] = m
         return m
@@ -244,8 +263,8 @@ class CacheStep:
         w, ch = self._narrower()
         if n <= L and self.new_valid is None and (w is None or n <= w) and (ch is None or n <= ch): return None
         i = torch.arange(n, device=self.cache.device)
-        m = attention_pattern(i[:, None], i[None, :], L if w is None else min(w, L), ch)
-        m = m[None]
+        m = self._near(i[:, None], i[None, :], L if w is None else min(w, L), ch)
+        if m.dim() == 2: m = m[None]
         if self.new_valid is not None: m = m & self.new_valid[:, None, :]
         return m
 
@@ -814,13 +833,13 @@ def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
     "The model over the whole sequence in one pass with the causal, padding and window masks: what cached decoding equals."
     n = tokens.shape[1]
     i = torch.arange(n, device=tokens.device)
-    place = i                                      # each token's place in its row: what windows and chunks count
+    place = i                                      # each token's place in its row (after its left padding): what windows and chunks count
     if attention_mask is not None:
         # each row's tokens first, in order: a token's index is then its position id, for every method; the masks keep
         # the tokens' places in the row (the window counts padding, as the ring's slots do)
         valid = attention_mask != 0
         order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)   # [b, n]: the place in the row of each token
-        place = order
+        place = order - (valid.cumsum(1) == 0).sum(1, keepdim=True)   # chunks start at the row's first token
         tokens = tokens.gather(1, order)
     def layer_mask(window, chunk):
         # the layer's own window (the cache's if narrower) and chunks; one mask for all rows without padding

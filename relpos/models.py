@@ -791,6 +791,12 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
         return mask
     patterns = self.layer_patterns   # one mask per (window, chunk) the layers use
     masks = {p: row_mask(causal_mask(n, m + n, tokens.device, *p)) for p in set(patterns)}
+    if attention_mask is not None:
+        # chunks start at each row's first token, after its left padding (transformers' chunked mask)
+        left = (attention_mask.cumsum(1) == 0).sum(1)[:, None, None]                    # [b, 1, 1]
+        i, j = torch.arange(m, m + n, device=tokens.device)[:, None], torch.arange(m + n, device=tokens.device)[None]
+        for w, ch in masks:
+            if ch is not None: masks[w, ch] = row_mask(attention_pattern(i - left, j - left, w, ch))
     ids = {} if position_ids is None else {'position_ids': position_ids}   # not for nope_layers: they have no positions
     # kNN layers empty the memories of these rows themselves, after checking what they will store
     knn = {} if drop is None else dict(start_of_document=drop)

@@ -102,7 +102,7 @@ def test_logits_equal_transformers(name):
 
 
 @pytest.mark.parametrize("name", ['mistral_window', 'qwen2', 'qwen3', 'olmo2', 'phi3_longrope_window', 'qwen2_some_windows',
-                                  'gemma', 'gemma2', 'gemma3', 'smollm3_windows'])
+                                  'gemma', 'gemma2', 'gemma3', 'smollm3_windows', 'llama4'])
 def test_logits_with_left_padding(name):
     model = case(name)
     lm = DecoderLM.from_transformers(model)
@@ -586,3 +586,37 @@ def test_query_temperature_and_unscaled_norms_checked():
         DecoderLM(11, position='rotary', layer_positions={'full_attention': dict(qk_norm='l2')})
     lm = DecoderLM(11, d_model=16, heads=2, n_layers=1, position='rotary', qk_norm='head_unscaled')
     assert lm.layers[0].self_attn.module.query.norm.weight is None and not any('norm.weight' in k and 'query' in k for k in lm.state_dict())
+
+
+@pytest.mark.parametrize("name", ['llama4', 'gemma3'])
+def test_left_padded_generation_equals_transformers(name):
+    "Rows of different lengths, left-padded: each row's chunks start at its first token (transformers' chunked mask), windows count slots."
+    model = case(name, scale=4.0)
+    if name in GEMMAS:
+        with torch.no_grad(): model.model.embed_tokens.weight.mul_(0.1)
+    lm = DecoderLM.from_transformers(model)
+    prompt = tokens(3, 7, seed=9)
+    keep = torch.ones(3, 7, dtype=torch.long); keep[0, :3] = 0; keep[2, :1] = 0
+    with float32_as_float64(), torch.no_grad():
+        want = model.generate(prompt, attention_mask=keep, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    got = lm.generate(prompt, 12, attention_mask=keep, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_chunked_cache_with_left_padding_equals_the_full_model():
+    torch.manual_seed(0)
+    lm = DecoderLM(13, d_model=16, heads=2, n_layers=2, position='rotary', norm='rms', attention_chunk_size=3,
+                   layer_types=['chunked_attention', 'full_attention']).double().eval()
+    x = torch.randint(0, 13, (3, 13), generator=torch.Generator().manual_seed(1))
+    keep = torch.ones(3, 13, dtype=torch.long); keep[0, :4] = 0; keep[1, :1] = 0
+    with torch.no_grad():
+        want = full_logits(lm, x, keep)
+        ids = (keep.cumsum(-1) - 1).clamp(min=0)
+        rows = keep.bool()
+        assert max_err(lm(x, position_ids=ids, attention_mask=keep)[0], want, rows) <= TOL   # the forward's own masks
+        cache = lm.new_cache(3, 32)
+        got = [lm(x[:, :6], cache=cache, attention_mask=keep[:, :6])[0], lm(x[:, 6:8], cache=cache)[0]]
+        got += [lm(x[:, t:t + 1], cache=cache)[0] for t in range(8, 13)]
+        assert max_err(torch.cat(got, 1), want, rows) <= TOL
+        shifted = full_logits(lm, x[1:2, 1:])   # row 1 without its padding: the same chunks from its first token
+        assert max_err(want[1:2, 1:], shifted) <= TOL
