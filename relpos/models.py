@@ -1093,7 +1093,7 @@ from . import cache as _cache
 
 # %% ../nbs/09_models.ipynb #fromhf02
 @patch(cls_method=True)
-def from_transformers(cls:DecoderLM, model:nn.Module, # a causal LM of `relpos.hf.MODEL_CONVERTERS` (LLaMA, Mistral, Qwen2, Qwen3, OLMo 2, Phi-3, GPT-NeoX)
+def from_transformers(cls:DecoderLM, model:nn.Module, # a causal LM of `relpos.hf.MODEL_CONVERTERS` (LLaMA and its relatives, Gemma 1-3, Llama 4, GPT-NeoX)
                       position:Optional[str]=None,     # None: the model's own; or one of `relpos.hf.SWAP_POSITIONS`
                       **position_kwargs) -> DecoderLM:
     "A `DecoderLM` with the architecture and weights of a transformers causal LM (`relpos.hf.decoder_from_transformers`)."
