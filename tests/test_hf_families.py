@@ -450,9 +450,10 @@ def test_gemma2_attention_module_keeps_its_softcap():
         assert max_err(run(ours, x, causal(2, 10)), want) > 1e-4
 
 
-def test_gemma3_saves_and_reloads(tmp_path):
-    "The new arguments (norm offset, scales, caps, layer types, per-type rope) go through config.json."
-    lm = DecoderLM.from_transformers(case('gemma3_scaled_global'))
+@pytest.mark.parametrize("name", ['gemma3_scaled_global', 'gemma2', 'llama4'])
+def test_patterned_models_save_and_reload(tmp_path, name):
+    "The new arguments (norm offset, scales, caps, layer types, per-type rope, q/k norms, temperatures) go through config.json."
+    lm = DecoderLM.from_transformers(case(name))
     lm.save_pretrained(tmp_path)
     back = DecoderLM.from_pretrained(tmp_path)
     x = tokens(2, 12)
@@ -620,3 +621,37 @@ def test_chunked_cache_with_left_padding_equals_the_full_model():
         assert max_err(torch.cat(got, 1), want, rows) <= TOL
         shifted = full_logits(lm, x[1:2, 1:])   # row 1 without its padding: the same chunks from its first token
         assert max_err(want[1:2, 1:], shifted) <= TOL
+
+
+def test_a_layer_type_with_its_own_position_method():
+    "layer_positions[type]['position']: those layers take another method (ALiBi, or none at all), the cache and position ids follow."
+    torch.manual_seed(0)
+    lm = DecoderLM(13, d_model=16, heads=2, n_layers=3, position='rotary', norm='rms', sliding_window=3,
+                   layer_types=['sliding_attention', 'full_attention', 'sliding_attention'],
+                   layer_positions={'full_attention': dict(position='none')}).double().eval()
+    assert [type(l.self_attn.module).__name__ for l in lm.layers] == ['RotaryMultiHeadAttention', 'MultiHeadAttention',
+                                                                     'RotaryMultiHeadAttention']
+    x = torch.randint(0, 13, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = lm(x)[0]
+        assert max_err(lm(x, position_ids=torch.arange(12))[0], want) <= TOL   # the NoPE layer takes no ids
+        cache = lm.new_cache(2, 32)
+        got = torch.cat([lm(x[:, :5], cache=cache)[0]] + [lm(x[:, t:t + 1], cache=cache)[0] for t in range(5, 12)], 1)
+        assert max_err(got, want) <= TOL
+    alibi = DecoderLM(13, d_model=16, heads=2, n_layers=2, position='rotary', layer_types=['full_attention', 'sliding_attention'],
+                      sliding_window=4, layer_positions={'sliding_attention': dict(position='alibi')})
+    assert type(alibi.layers[1].self_attn.module).__name__ == 'ALiBiMultiHeadAttention'
+    with pytest.raises(ValueError, match=r"layer_positions\['full_attention'\]\['position'\] must be one of"):
+        DecoderLM(13, position='rotary', layer_positions={'full_attention': dict(position='cope2')})
+
+
+@pytest.mark.parametrize("kw", [dict(layer_types=['sliding_attention', 'full_attention'], sliding_window=3),
+                                dict(layer_types=['chunked_attention', 'full_attention'], attention_chunk_size=4)])
+def test_uncached_generate_picks_the_cached_tokens(kw):
+    "generate(use_cache=False) runs the layers over all earlier inputs with the same per-layer masks."
+    torch.manual_seed(0)
+    lm = DecoderLM(13, d_model=16, heads=2, n_layers=2, position='rotary', norm='rms', **kw).double().eval()
+    with torch.no_grad():
+        for p in lm.parameters(): p.mul_(3)
+    prompt = torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(lm.generate(prompt, 12, temperature=0, use_cache=False), lm.generate(prompt, 12, temperature=0))
