@@ -655,3 +655,13 @@ def test_uncached_generate_picks_the_cached_tokens(kw):
         for p in lm.parameters(): p.mul_(3)
     prompt = torch.randint(0, 13, (2, 5), generator=torch.Generator().manual_seed(2))
     assert torch.equal(lm.generate(prompt, 12, temperature=0, use_cache=False), lm.generate(prompt, 12, temperature=0))
+
+
+def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does():
+    "Gemma 3's config still has attn_logit_softcapping, but its attention passes no cap (eager or SDPA): nor does the conversion."
+    model = case('gemma3', attn_logit_softcapping=0.5)
+    model.config._attn_implementation = 'eager'
+    lm = DecoderLM.from_transformers(model)
+    assert lm.attn_softcap is None
+    x = tokens(2, 12)
+    with torch.no_grad(): assert max_err(lm(x)[0], ref_logits(model, x)) <= TOL
