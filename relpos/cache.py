@@ -194,10 +194,22 @@ class CacheStep:
         return self.memo['contiguous']
 
     def key_positions(self) -> torch.Tensor:
-        "Position id of every key the new tokens attend to, `[b, keys]` (extend: the cached ones, then the new ones)."
+        "Position id of every key the new tokens attend to, `[b, keys]` (extend: the cached ones, then the new ones; decode in a window narrower than the ring: its slots)."
         c = self.cache
-        if self.mode == 'decode': return c.positions[:, :self.length]
+        if self.mode == 'decode':
+            idx = self.key_index()
+            return c.positions[:, :self.length] if idx is None else c.positions[:, idx]
         return torch.cat([c.positions[:, :len(c)], self.q_pos], 1)
+
+    def key_index(self) -> Optional[torch.Tensor]:
+        "Decode in a layer whose window is narrower than the ring (Gemma's sliding layers): the slots of the window's tokens, oldest first, so that the step reads those alone; None: every filled slot."
+        w = self._narrower()[0]
+        if self.mode != 'decode' or w is None: return None
+        if ('slots', w) not in self.memo:
+            c = self.cache
+            k = min(c.seen + 1, w)                    # the new token's slot is written already
+            self.memo['slots', w] = torch.arange(c.seen + 1 - k, c.seen + 1, device=c.device) % c.max_cache_len
+        return self.memo['slots', w]
 
     def first_times(self) -> torch.Tensor:
         "`[b]`: each row's first token's stream time, these new tokens counted (a row with none yet: the step's first)."
@@ -232,7 +244,10 @@ class CacheStep:
                 m = c.valid[:, :self.length].clone()
                 m[:, self.write] = True               # a query always sees itself, padding too: no fully masked row (NaN)
                 m = m[:, None, None, :]
-            if w is not None or ch is not None:       # this layer's window or chunk, by stream time
+            idx = self.key_index()
+            if idx is not None:                       # a window: its slots alone are read, all of them in it
+                m, w = (None if m is None else m.index_select(-1, idx)), None
+            if w is not None or ch is not None:       # this layer's chunk, by stream time
                 near = self._near(torch.tensor([[c.seen]], device=c.device), c.times[None, :self.length], w, ch)
                 near = near.reshape(-1, 1, 1, self.length)                        # [b|1, 1, 1, keys]
                 m = near if m is None else m & near
@@ -251,11 +266,12 @@ class CacheStep:
 
     def distance_index(self) -> torch.Tensor:
         "`[b, 1, n, keys]`: column `d + L - 1` of a `[.., L]` distance table for distance `d = key - query` position, clamped to the table."
-        if 'didx' not in self.memo:
+        key = ('didx', None if self.key_index() is None else self._narrower()[0])   # the keys a windowed layer reads
+        if key not in self.memo:
             L = self.cache.max_cache_len
             d = self.key_positions()[:, None, None, :] - self.q_pos[:, None, :, None]
-            self.memo['didx'] = d.clamp(-(L - 1), 0) + (L - 1)
-        return self.memo['didx']
+            self.memo[key] = d.clamp(-(L - 1), 0) + (L - 1)
+        return self.memo[key]
 
     def prefill_mask(self) -> Optional[torch.Tensor]:
         "Bool `[b|1, n, n]` for the prefill: causal, windowed to `max_cache_len` and to the running layer's window and chunks, padding keys masked; None: exactly causal."
@@ -391,6 +407,8 @@ def _attended(K, V, k, v, step:CacheStep):
         # the new tokens go into the slots after the filled ones (decode: into the oldest one's, which is out of the
         # window): write them, and the keys are a view of the buffer -- no copy of the cache per step
         _write(K, V, k, v, step)
+        idx = step.key_index()                    # a window narrower than the ring: its slots alone (a copy of w keys)
+        if idx is not None: return K.index_select(2, idx), V.index_select(2, idx), True
         return K[:, :, :step.length], V[:, :, :step.length], True
     # a chunk that wraps the ring would overwrite keys its own first queries still see: the cached keys, then the new ones
     f = len(c)
@@ -663,7 +681,7 @@ def cache_attend(self:RelationAwareMultiHeadAttention, q, k, v, step, layer):
     R = 2 * self.k + 1
     w_k = self.relative_position_k.position_embeddings.to(q.dtype)
     w_v = self.relative_position_v.position_embeddings.to(q.dtype)
-    key = ('shaw_bucket', self.k)
+    key = ('shaw_bucket', self.k, step.key_index() is not None and step._narrower()[0])
     if key not in step.memo:                                                          # shared by the layers with the same clip
         L = step.cache.max_cache_len
         step.memo[key] = (step.distance_index() - (L - 1)).clamp(-self.k, self.k) + self.k   # [b, 1, n, keys]

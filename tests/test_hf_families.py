@@ -665,3 +665,24 @@ def test_gemma3_ignores_attn_logit_softcapping_as_transformers_does():
     assert lm.attn_softcap is None
     x = tokens(2, 12)
     with torch.no_grad(): assert max_err(lm(x)[0], ref_logits(model, x)) <= TOL
+
+
+@pytest.mark.parametrize("position", [p for p in __import__('relpos.models', fromlist=['POSITIONS']).POSITIONS])
+def test_every_position_decodes_a_sliding_layer_beside_a_global_one(position):
+    "A window narrower than the ring: decode reads its slots alone, for every method's position term; padding included."
+    torch.manual_seed(0)
+    lm = DecoderLM(13, d_model=16, heads=2, n_layers=2, position=position, max_len=64, sliding_window=3,
+                   layer_types=['sliding_attention', 'full_attention']).double().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lm.parameters(): p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    x = torch.randint(0, 13, (2, 14), generator=torch.Generator().manual_seed(1))
+    keep = torch.ones(2, 14, dtype=torch.long); keep[1, :2] = 0
+    rows = keep.bool()
+    for mask in (None, keep):
+        with torch.no_grad():
+            want = full_logits(lm, x, mask)
+            cache = lm.new_cache(2, 32)
+            got = [lm(x[:, :5], cache=cache, attention_mask=None if mask is None else mask[:, :5])[0], lm(x[:, 5:7], cache=cache)[0]]
+            got += [lm(x[:, t:t + 1], cache=cache)[0] for t in range(7, 14)]
+            assert max_err(torch.cat(got, 1), want, rows) <= TOL, (position, mask is None)
