@@ -269,7 +269,8 @@ def _llama_model(model, position=None, partial_rotary:bool=False, softcap:bool=F
         if norm is not None:
             scaled = _qk_norm(l.self_attn, d_k) != 'head_unscaled'
             _check_config(_eps(norm) == cfg.rms_norm_eps and (not scaled or _norm_offset(norm) == offset),
-                          f"q_norm eps {_eps(norm)} != rms_norm_eps={cfg.rms_norm_eps}", model)
+                          f"a q_norm of eps {_eps(norm)} and offset {_norm_offset(norm) if scaled else 0.0}, unlike its "
+                          f"other norms (rms_norm_eps={cfg.rms_norm_eps}, offset {offset})", model)
     pre, post = hasattr(l0, 'input_layernorm'), hasattr(l0, 'post_feedforward_layernorm')   # OLMo 2: post-norms only
     pattern = _layer_pattern(model)
     kinds = pattern.get('layer_types') or [('chunked_attention' if pattern.get('attention_chunk_size') else

@@ -380,16 +380,17 @@ class DecoderLM(nn.Module):
                              f"for {BIAS_POSITIONS}")
         if qk_norm not in QK_NORMS: raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
         if sliding_window is not None: _check_int(sliding_window, 'sliding_window', 1)
-        self.norm_offset = 0.0 if norm_offset is None else float(norm_offset)
         if isinstance(norm_offset, bool) or not isinstance(norm_offset, (int, float)) or not math.isfinite(norm_offset):
             raise ValueError(f"norm_offset must be a finite number (Gemma: 1.0), got {norm_offset!r}")
+        self.norm_offset = float(norm_offset)
         self.embed_scale, self.score_scale = _check_positive(embed_scale, 'embed_scale'), _check_positive(score_scale, 'score_scale')
         self.attn_softcap, self.logit_softcap = _check_positive(attn_softcap, 'attn_softcap'), _check_positive(logit_softcap, 'logit_softcap')
         self.query_temperature = _check_temperature(query_temperature, 'query_temperature')
-        tempered = self.query_temperature or any(o.get('query_temperature') for o in (layer_positions or {}).values())
-        for arg, value in (('attn_softcap', self.attn_softcap), ('score_scale', self.score_scale),
-                           ('query_temperature', tempered or None)):
-            used = {position} | {o.get('position', position) for o in (layer_positions or {}).values()}
+        # the switches inside the attention: only positions whose every path honours them (a layer type's own too)
+        per_type = list((layer_positions or {}).values()) if isinstance(layer_positions, dict) else []
+        tempered = self.query_temperature or next((o['query_temperature'] for o in per_type if o.get('query_temperature')), None)
+        used = {position} | {o.get('position', position) for o in per_type if isinstance(o, dict)}
+        for arg, value in (('attn_softcap', self.attn_softcap), ('score_scale', self.score_scale), ('query_temperature', tempered)):
             if value is not None and not used <= set(SOFTCAP_POSITIONS):
                 raise ValueError(f"{arg}={value}: position={sorted(used - set(SOFTCAP_POSITIONS))[0]!r}'s attention paths do not "
                                  f"take it; {arg} is for {SOFTCAP_POSITIONS}")

@@ -581,7 +581,7 @@ def test_chunked_layers_decode_from_a_ring_of_one_chunk():
 def test_query_temperature_and_unscaled_norms_checked():
     with pytest.raises(ValueError, match=r"query_temperature must be None or \(floor_scale > 0, attn_scale\)"):
         DecoderLM(11, position='rotary', query_temperature=(0, 0.1))
-    with pytest.raises(ValueError, match="query_temperature=True: position='xl'"):
+    with pytest.raises(ValueError, match=r"query_temperature=\(8, 0.1\): position=.xl."):
         DecoderLM(11, layer_positions={'full_attention': dict(query_temperature=(8, 0.1))})
     with pytest.raises(ValueError, match=r"layer_positions\['full_attention'\]\['qk_norm'\] must be one of"):
         DecoderLM(11, position='rotary', layer_positions={'full_attention': dict(qk_norm='l2')})
