@@ -181,6 +181,7 @@ def prepare_mask(self:MultiHeadAttention, mask:torch.Tensor, query_shape:List[in
 
 @patch
 def check_inputs(self:MultiHeadAttention, query, key, value, mask):
+    "Check `query`, `key`, `value` (shapes, dtypes, devices) and `mask`; return the mask as `[seq_q or 1, seq_k, batch or 1, 1]` (or None)."
     d_model = self.output.out_features   # = in_features unless head_dim * heads != d_model
     for name, x in (('query', query), ('key', key), ('value', value)): check_sequence(x, name, d_model)
     if key.shape[:2] != value.shape[:2]:
