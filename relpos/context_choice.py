@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-# %% ../nbs/05_context_choice.ipynb #02b4444b
+# %% ../nbs/05_context_choice.ipynb #5d9a3c92
 def _check_positive_int(owner:str, # class name, for the message
                         name:str, # argument name, for the message
                         value): # the value received
@@ -119,7 +119,7 @@ def local_score_loss(local_score: torch.Tensor, # gate *logits* $z$ (the seed's 
     target = torch.zeros(local_score.shape, dtype=local_score.dtype, device=local_score.device)
     return F.binary_cross_entropy_with_logits(local_score, target)
 
-# %% ../nbs/05_context_choice.ipynb #47769f40
+# %% ../nbs/05_context_choice.ipynb #dbef11c6
 @patch
 def get_loss_component(self:BaseContextChoice,
                        strict: bool = False, # raise if no forward ran since the last call, instead of returning 0
@@ -169,7 +169,7 @@ class ContextChoiceLinear(BaseContextChoice):
         # head h's vector dotted with head h's weights, every head in one batched contraction
         return torch.einsum("bshd,hda->bsha", x, w) + b.view(1, 1, self.attention_heads, 1)
 
-# %% ../nbs/05_context_choice.ipynb #3fb95fa7
+# %% ../nbs/05_context_choice.ipynb #7579c34a
 @patch
 def local_score(self:BaseContextChoice, embeddings_local: torch.Tensor, # `[batch, seq_len, embedding_dim]`
                ) -> torch.Tensor: # `[batch, seq_len, heads]`: the gate $g$, the weight of the local context
@@ -179,7 +179,7 @@ def local_score(self:BaseContextChoice, embeddings_local: torch.Tensor, # `[batc
     g = torch.sigmoid(self.local_logits(local))[..., 0]
     return g.expand(*local.shape[:-1])   # a constant gate broadcasts over batch and positions
 
-# %% ../nbs/05_context_choice.ipynb #fed042f9
+# %% ../nbs/05_context_choice.ipynb #ce55ec25
 @patch
 def __getstate__(self:BaseContextChoice):
     # a pending loss is a non-leaf tensor carrying a graph: copy.deepcopy refuses it, pickle would drag the graph

@@ -115,7 +115,7 @@ class RelativeFourierPositions(nn.Module):
         fast = self.fast if fast is None else fast
         return (self.bias_fast if fast else self.bias_einsum)(num_queries, num_keys, offset)
 
-# %% ../nbs/04_fourier.ipynb #29d7cd01
+# %% ../nbs/04_fourier.ipynb #40613a7f
 @patch
 def _apply(self:RelativeFourierPositions, fn, recurse=True):
     "`.to(dtype)`, `.double()`, `.cuda()`, ...: the compute dtype follows the parameter; the caches stay float32 on its device."
@@ -162,7 +162,7 @@ def _rebuild(self:RelativeFourierPositions, name:str, lo:int, n:int) -> torch.Te
     setattr(self, name, table); setattr(self, name + '_lo', lo)
     return table
 
-# %% ../nbs/04_fourier.ipynb #845cd11c
+# %% ../nbs/04_fourier.ipynb #c3f122bc
 @patch
 def bias_einsum(self:RelativeFourierPositions, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
     "meliad's computation, step by step: rotate the query position vectors, dot them with the key ones."
@@ -182,7 +182,7 @@ def _bias_einsum(self:RelativeFourierPositions, num_queries:int, num_keys:int, o
     rot_qs = rmat1[:, None, :] * qs_xs[None] + rmat2[:, None, :] * qs_ys[None]    # [h, q, p]: the rotated pairs
     return torch.einsum('hqd,kd->hqk', rot_qs, ks)[None]                          # their dot products with PE(j)
 
-# %% ../nbs/04_fourier.ipynb #f11b51a9
+# %% ../nbs/04_fourier.ipynb #7dd4548a
 @patch
 def bias_fast(self:RelativeFourierPositions, num_queries:int, num_keys:int, offset:int) -> torch.Tensor:
     "The same bias from its `num_queries + num_keys - 1` distinct values: `B_h(r) = alpha·cos(pi r/w) + beta·sin(pi r/w)`."
@@ -383,7 +383,7 @@ def sdpa_bias(q:torch.Tensor,    # `[batch, heads, seq_q, d_k]`
     causal = _single_threaded(lambda: _causal_kind(mask, q.shape[2], k.shape[2]))
     return _SDPAWithBiasGrad.apply(q, k, v, bias, scale, mask, causal)
 
-# %% ../nbs/04_fourier.ipynb #3b5a8a8a
+# %% ../nbs/04_fourier.ipynb #ad233515
 @patch
 def attention_fast(self:FourierMultiHeadAttention, query, key, value, mask):
     "No mask or the causal one: the distance table itself to `relpos.bias.toeplitz_attention` (no `[n, n]` bias is built); any other mask: `sdpa` below."
