@@ -398,3 +398,17 @@ def test_never_the_base_class_fast_path():
     bare.load_state_dict(layer.state_dict())
     x = torch.randn(6, 1, 8, dtype=torch.float64)
     torch.testing.assert_close(bare(query=x, key=x, value=x), layer(query=x, key=x, value=x, need_weights=True))
+
+
+@pytest.mark.parametrize('kw', [dict(layer_types=['sliding_attention', 'full_attention'], sliding_window=3),
+                                dict(layer_types=['chunked_attention', 'full_attention'], attention_chunk_size=4)])
+def test_cached_decoding_with_layer_patterns(kw):
+    "Per-layer windows narrower than the ring and chunked layers: CoPE counts only the keys each layer sees, cached as in the full model (float64 <= 1e-10)."
+    from relpos.cache import full_logits
+    lm = _lm(**kw)
+    seq = torch.randint(0, 13, (2, 14), generator=torch.Generator().manual_seed(3))
+    want = full_logits(lm, seq)
+    assert (_decode(lm, seq, 4, None) - want).abs().max() <= 1e-10
+    ring = full_logits(lm, seq, max_cache_len=6)                                   # a ring of 6 that wraps
+    assert (_decode(lm, seq, 2, 6) - ring).abs().max() <= 1e-10
+    assert (_decode(lm, seq, 2, 6, chunks=[3, 1, 5, 3]) - ring).abs().max() <= 1e-10
