@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['ATTENTION_CONVERTERS', 'MODEL_CONVERTERS', 'SWAP_POSITIONS', 'CONFIG_REFUSALS', 'TO_TRANSFORMERS',
-           'from_transformers', 'decoder_from_transformers', 'decoder_to_transformers']
+           'TO_TRANSFORMERS_POSITIONS', 'from_transformers', 'decoder_from_transformers', 'decoder_to_transformers']
 
 # %% ../nbs/12_hf.ipynb #bbede91b
 import importlib, math
@@ -281,6 +281,170 @@ CONFIG_REFUSALS = {
     'Phi3ForCausalLM': ('hidden_act',),
 }
 
+# %% ../nbs/12_hf.ipynb #classic01
+# GPT-2, GPT-J, BLOOM and Falcon: the older layouts, each difference a DecoderLM argument (09_models)
+_GELUS = {'gelu': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh'}   # transformers' names -> `ffn=`
+
+def _conv1d_state(sd:dict, prefix:str, conv):
+    "GPT-2's `Conv1D` computes `x @ weight + bias`: its weight transposed is an `nn.Linear`'s."
+    sd[prefix + '.weight'], sd[prefix + '.bias'] = conv.weight.t(), conv.bias
+
+def _gpt2(m, **kw):
+    "GPT-2's attention: plain scaled dot products (its positions are added to the embeddings); `c_attn` holds q | k | v."
+    _check_config(not m.is_cross_attention, "cross-attention (add_cross_attention=True)", m)
+    d, heads = m.embed_dim, m.num_heads
+    layer = MultiHeadAttention(heads, d, dropout_prob=float(m.attn_dropout.p))
+    w, b = m.c_attn.weight.t(), m.c_attn.bias
+    sd = {f'{name}.linear.{k}': t for name, ws, bs in zip(('query', 'key', 'value'), w.split(d), b.split(d))
+          for k, t in (('weight', ws), ('bias', bs))}
+    _conv1d_state(sd, 'output', m.c_proj)
+    return layer, sd
+
+def _falcon_split(m, heads:int, kv:int, d_k:int) -> dict:
+    "Falcon's fused `query_key_value`: per key/value group `[q x heads/kv, k, v]` (new_decoder_architecture), `[q x heads, k, v]` (multi-query) or per head `[q, k, v]`."
+    W, B = m.query_key_value.weight, m.query_key_value.bias
+    if not (m.new_decoder_architecture or m.multi_query): return _split_fused(W, B, heads, d_k, W.shape[1], 'bloom')
+    rep = heads // kv
+    def split(t):   # rows -> (query, key, value) rows
+        g = t.unflatten(0, (kv, rep + 2, d_k)) if m.new_decoder_architecture else t.unflatten(0, (heads + 2, d_k))
+        if m.new_decoder_architecture: return g[:, :rep].flatten(0, 2), g[:, rep].flatten(0, 1), g[:, rep + 1].flatten(0, 1)
+        return g[:heads].flatten(0, 1), g[heads], g[heads + 1]
+    sd = {f'{n}.linear.weight': t for n, t in zip(('query', 'key', 'value'), split(W))}
+    if B is not None: sd.update({f'{n}.linear.bias': t for n, t in zip(('query', 'key', 'value'), split(B))})
+    return sd
+
+def _falcon(m, **kw):
+    "Falcon's attention with rotary positions: multi-query, grouped or one key/value head per query head; ALiBi refused (see `CONFIG_REFUSALS`)."
+    cfg = m.config
+    _check_config(not cfg.alibi, "alibi=True (its slopes rounded to bfloat16 and its bias divided by sqrt(head_dim): not "
+                  "relpos's ALiBi)", m)
+    heads, d_k, d = m.num_heads, m.head_dim, m.hidden_size
+    kv = cfg.num_kv_heads if m.new_decoder_architecture else 1 if m.multi_query else heads
+    base, rotary_dim, rope, mpe = _config_rope(cfg, d_k, whole_heads='Falcon')
+    bias = m.query_key_value.bias is not None
+    # Falcon drops no attention weights with rotary positions (its SDPA call passes dropout_p=0)
+    layer = RotaryMultiHeadAttention(heads, d, dropout_prob=0.0, bias=bias, base=base, rope_scaling=rope,
+                                     max_position_embeddings=mpe, kv_heads=kv)
+    if not bias: _drop_value_output_bias(layer)
+    sd = _falcon_split(m, heads, kv, d_k)
+    _norms(sd, '', [('output', m.dense)])
+    return layer, sd
+
+ATTENTION_CONVERTERS.update({'GPT2Attention': _gpt2, 'FalconAttention': _falcon})
+
+def _norms(sd:dict, prefix:str, pairs):
+    "Weights and biases (if any) of norms and linear layers: `[(relpos name, transformers module)]`."
+    for ours, theirs in pairs:
+        sd[prefix + ours + '.weight'] = theirs.weight
+        if theirs.bias is not None: sd[prefix + ours + '.bias'] = theirs.bias
+
+def _gpt2_model(model, position=None):
+    "GPT-2: learned absolute positions (`position='absolute'`, `max_len=n_positions`), LayerNorm, a tanh-GELU block, tied embeddings."
+    cfg, t = model.config, model.transformer
+    _check_config(cfg.activation_function in _GELUS, f"activation_function={cfg.activation_function!r}", model)
+    _check_config(not cfg.scale_attn_by_inverse_layer_idx, "scale_attn_by_inverse_layer_idx=True (layer l's scores "
+                  "divided by l + 1)", model)
+    _check_config(cfg.scale_attn_weights, "scale_attn_weights=False (scores not divided by sqrt(d_k))", model)
+    _check_config(not cfg.add_cross_attention, "add_cross_attention=True (an encoder's states in every layer)", model)
+    # GPT-2: attn_pdrop on the weights, resid_pdrop on both branches, embd_pdrop on the embeddings, none inside the MLP
+    kw = dict(d_model=cfg.n_embd, heads=cfg.n_head, n_layers=cfg.n_layer, d_ff=cfg.n_inner or 4 * cfg.n_embd, dropout=0.0,
+              attention_dropout=float(cfg.attn_pdrop), residual_dropout=float(cfg.resid_pdrop),
+              embedding_dropout=float(cfg.embd_pdrop), norm='layer', ffn=_GELUS[cfg.activation_function], bias=True,
+              head_bias=False, norm_eps=float(cfg.layer_norm_epsilon), tie_embeddings=bool(cfg.tie_word_embeddings),
+              max_len=cfg.n_positions)
+    sd = {'src_embed.weight': t.wte.weight, 'pos_embed.weight': t.wpe.weight, 'generator.weight': model.lm_head.weight}
+    _norms(sd, '', [('norm', t.ln_f)])
+    for i, l in enumerate(t.h):
+        p = f'layers.{i}.'
+        _norms(sd, p, [('norm_self_attn', l.ln_1), ('norm_ff', l.ln_2)])
+        _conv1d_state(sd, p + 'feed_forward.layer1', l.mlp.c_fc); _conv1d_state(sd, p + 'feed_forward.layer2', l.mlp.c_proj)
+        sd.update({p + 'self_attn.module.' + k: v for k, v in _gpt2(l.attn)[1].items()})
+    return cfg.vocab_size, kw, dict(position='absolute'), sd
+
+def _bloom_model(model, position=None):
+    "BLOOM: ALiBi, a LayerNorm on the embeddings (`embedding_norm=True`), BLOOM's GELU, biases everywhere, tied embeddings."
+    cfg, t = model.config, model.transformer
+    _check_config(not cfg.apply_residual_connection_post_layernorm, "apply_residual_connection_post_layernorm=True (the "
+                  "residual stream continues from the normalised input)", model)
+    # BLOOM: attention_dropout on the weights, hidden_dropout on both branches, none on the embeddings or in the MLP
+    kw = dict(d_model=cfg.hidden_size, heads=cfg.n_head, n_layers=cfg.n_layer, d_ff=4 * cfg.hidden_size, dropout=0.0,
+              attention_dropout=float(cfg.attention_dropout), residual_dropout=float(cfg.hidden_dropout),
+              embedding_dropout=0.0, norm='layer', ffn='bloom_gelu', bias=True, head_bias=False,
+              norm_eps=float(cfg.layer_norm_epsilon), tie_embeddings=bool(cfg.tie_word_embeddings), embedding_norm=True)
+    sd = {'src_embed.weight': t.word_embeddings.weight, 'generator.weight': model.lm_head.weight}
+    _norms(sd, '', [('norm', t.ln_f), ('src_embed.norm', t.word_embeddings_layernorm)])
+    for i, l in enumerate(t.h):
+        p = f'layers.{i}.'
+        _norms(sd, p, [('norm_self_attn', l.input_layernorm), ('norm_ff', l.post_attention_layernorm)])
+        _norms(sd, p, [('feed_forward.layer1', l.mlp.dense_h_to_4h), ('feed_forward.layer2', l.mlp.dense_4h_to_h)])
+        sd.update({p + 'self_attn.module.' + k: v for k, v in _bloom(l.self_attention)[1].items()})
+    return cfg.vocab_size, kw, dict(position='alibi'), sd
+
+def _gptj_model(model, position=None):
+    "GPT-J: interleaved partial rotary, one LayerNorm read by attention and MLP in parallel, no q/k/v/output biases, a biased head."
+    cfg, t = model.config, model.transformer
+    _check_config(cfg.activation_function in _GELUS, f"activation_function={cfg.activation_function!r}", model)
+    a0 = t.h[0].attn
+    # GPT-J: attn_pdrop on the weights, resid_pdrop on both branches, embd_pdrop on the embeddings
+    kw = dict(d_model=cfg.n_embd, heads=cfg.n_head, n_layers=cfg.n_layer, d_ff=cfg.n_inner or 4 * cfg.n_embd, dropout=0.0,
+              attention_dropout=float(cfg.attn_pdrop), residual_dropout=float(cfg.resid_pdrop),
+              embedding_dropout=float(cfg.embd_pdrop), norm='layer', ffn=_GELUS[cfg.activation_function], bias=True,
+              qkv_bias=False, output_bias=False, head_bias=True, norm_eps=float(cfg.layer_norm_epsilon),
+              parallel_residual=True, shared_norm=True, tie_embeddings=bool(cfg.tie_word_embeddings))
+    pos = dict(position='rotary', rotary_dim=a0.rotary_dim or a0.head_dim, interleaved=True,
+               max_position_embeddings=cfg.n_positions)   # GPT-J's base: 10000
+    sd = {'src_embed.weight': t.wte.weight, 'generator.weight': model.lm_head.weight, 'generator.bias': model.lm_head.bias}
+    _norms(sd, '', [('norm', t.ln_f)])
+    for i, l in enumerate(t.h):
+        p = f'layers.{i}.'
+        _norms(sd, p, [('norm_self_attn', l.ln_1)])
+        _norms(sd, p, [('feed_forward.layer1', l.mlp.fc_in), ('feed_forward.layer2', l.mlp.fc_out)])
+        sd.update({p + 'self_attn.module.' + k: v for k, v in _gptj(l.attn)[1].items()})
+    return cfg.vocab_size, kw, pos, sd
+
+def _falcon_model(model, position=None):
+    "Falcon: rotary, multi-query or grouped heads, attention and MLP in parallel from one norm or two (or in sequence), no biases by default."
+    cfg, t = model.config, model.transformer
+    _check_config(cfg.activation in _GELUS, f"activation={cfg.activation!r}", model)
+    l0, a0 = t.h[0], t.h[0].self_attention
+    layer, _ = _falcon(a0)   # refuses alibi
+    two, sequential = hasattr(l0, 'ln_attn'), not cfg.parallel_attn
+    if sequential:
+        _check_config(cfg.attention_dropout == cfg.hidden_dropout, f"parallel_attn=False with attention_dropout="
+                      f"{cfg.attention_dropout} != hidden_dropout={cfg.hidden_dropout} (the attention branch dropped at "
+                      f"attention_dropout; DecoderLM's residual_dropout is both branches')", model)
+    else:
+        _check_config(not cfg.hidden_dropout, f"hidden_dropout={cfg.hidden_dropout} with parallel_attn=True (one dropout "
+                      f"mask on the sum of both branches; DecoderLM drops each branch)", model)
+    bias = a0.query_key_value.bias is not None
+    kw = dict(d_model=cfg.hidden_size, heads=cfg.num_attention_heads, n_layers=cfg.num_hidden_layers,
+              d_ff=cfg.ffn_hidden_size, dropout=0.0, attention_dropout=0.0, residual_dropout=float(cfg.hidden_dropout),
+              embedding_dropout=0.0, norm='layer', ffn=_GELUS[cfg.activation], bias=bias, head_bias=False,
+              norm_eps=float(cfg.layer_norm_epsilon), parallel_residual=not sequential, shared_norm=not (sequential or two),
+              tie_embeddings=bool(cfg.tie_word_embeddings), kv_heads=layer.kv_heads)
+    pos = dict(position='rotary', base=layer.base, rotary_dim=layer.rotary_dim, rope_scaling=layer.rope_scaling,
+               max_position_embeddings=layer.max_position_embeddings)
+    if pos['rope_scaling']['rope_type'] == 'default': pos['rope_scaling'] = None
+    sd = {'src_embed.weight': t.word_embeddings.weight, 'generator.weight': model.lm_head.weight}
+    _norms(sd, '', [('norm', t.ln_f)])
+    for i, l in enumerate(t.h):
+        p = f'layers.{i}.'
+        _norms(sd, p, [('norm_self_attn', l.ln_attn), ('norm_ff', l.ln_mlp)] if two else
+                      [('norm_self_attn', l.input_layernorm)] + ([('norm_ff', l.post_attention_layernorm)] if sequential else []))
+        _norms(sd, p, [('feed_forward.layer1', l.mlp.dense_h_to_4h), ('feed_forward.layer2', l.mlp.dense_4h_to_h)])
+        sd.update({p + 'self_attn.module.' + k: v for k, v in _falcon(l.self_attention)[1].items()})
+    return cfg.vocab_size, kw, pos, sd
+
+MODEL_CONVERTERS.update({'GPT2LMHeadModel': _gpt2_model, 'BloomForCausalLM': _bloom_model, 'GPTJForCausalLM': _gptj_model,
+                         'FalconForCausalLM': _falcon_model})
+CONFIG_REFUSALS.update({
+    'GPT2LMHeadModel': ('activation_function', 'scale_attn_by_inverse_layer_idx', 'scale_attn_weights', 'add_cross_attention'),
+    'BloomForCausalLM': ('apply_residual_connection_post_layernorm',),
+    'GPTJForCausalLM': ('activation_function',),
+    'FalconForCausalLM': ('activation', 'alibi', 'attention_dropout', 'hidden_dropout'),
+})
+
+
 # %% ../nbs/12_hf.ipynb #ebf49dd7
 def _one_kv_head_per_query_head(model, kw:dict, sd:dict):
     "For a position method without grouped-query heads (FIRE): each key/value head repeated for the query heads it serves, the same numbers."
@@ -300,7 +464,7 @@ def _one_kv_head_per_query_head(model, kw:dict, sd:dict):
     return kw, sd
 
 def decoder_from_transformers(model:nn.Module,          # a transformers causal LM (see `MODEL_CONVERTERS`)
-                              position:Optional[str]=None, # None: the model's own (rotary); or one of `SWAP_POSITIONS`
+                              position:Optional[str]=None, # None: the model's own (rotary, ALiBi, GPT-2's absolute table); or one of `SWAP_POSITIONS`
                               **position_kwargs,           # for a swapped position method (e.g. `num_buckets=` for 't5')
                              ) -> DecoderLM:
     "The `DecoderLM` with `model`'s architecture and weights (same logits); with `position=`, the same weights under another position method."
@@ -313,9 +477,10 @@ def decoder_from_transformers(model:nn.Module,          # a transformers causal 
     if position is not None and position not in SWAP_POSITIONS:
         raise ValueError(f"position must be None (the model's own) or one of {SWAP_POSITIONS}, got {position!r}")
     n_vocab, kw, pos, sd = MODEL_CONVERTERS[name](model)
-    if position is not None and position != 'rotary': pos = dict(position=position, **position_kwargs)
+    if position is not None and position != pos['position']: pos = dict(position=position, **position_kwargs)
     elif position_kwargs: pos.update(position_kwargs)
     if pos['position'] not in GQA_POSITIONS: kw, sd = _one_kv_head_per_query_head(model, kw, sd)
+    if pos['position'] != 'absolute': sd.pop('pos_embed.weight', None)   # GPT-2's table goes with its position method
     w = model.get_input_embeddings().weight
     lm = DecoderLM(n_vocab, **kw, **pos).to(dtype=w.dtype, device=w.device)
     own = set(lm.state_dict())
@@ -420,7 +585,7 @@ def decoder_to_transformers(lm:DecoderLM,           # a model whose layout a cla
                             ignore_dropout:bool=False, # convert although transformers' class drops out in fewer places (same eval logits)
                             **token_ids,               # `bos_token_id`, `eos_token_id`, `pad_token_id` for the config (default: none)
                            ) -> nn.Module:             # a transformers causal LM with the same logits, in `lm`'s dtype, device and mode
-    "The transformers causal LM with `lm`'s architecture and weights: rotary + RMSNorm + SwiGLU -> LLaMA, rotary + LayerNorm + GELU -> GPT-NeoX."
+    "The transformers causal LM with `lm`'s architecture and weights: rotary + RMSNorm + SwiGLU -> LLaMA, rotary + LayerNorm + GELU -> GPT-NeoX (or GPT-J, Falcon), absolute -> GPT-2, ALiBi -> BLOOM."
     T = _transformers()
     unknown = sorted(set(token_ids) - {'bos_token_id', 'eos_token_id', 'pad_token_id'})
     if unknown: raise TypeError(f"to_transformers: unexpected keyword(s) {unknown}; it takes bos_token_id, eos_token_id, pad_token_id")
@@ -428,17 +593,18 @@ def decoder_to_transformers(lm:DecoderLM,           # a model whose layout a cla
     targets = ', '.join(TO_TRANSFORMERS)
     for arg in ('memorizing_layers', 'nope_layers'):
         if getattr(lm, arg): raise ValueError(f"to_transformers: {arg}={getattr(lm, arg)} has no counterpart in {targets}")
-    if name != 'rotary' or not isinstance(lm.layers[0].self_attn.module, RotaryMultiHeadAttention):
-        raise ValueError(f"to_transformers: position={name!r} has no transformers counterpart: the decoder classes relpos can "
-                         f"build ({targets}) use rotary positions")
+    own = {cls: TO_TRANSFORMERS_POSITIONS.get(cls, 'rotary') for cls in TO_TRANSFORMERS}   # each class's position method
     attn = lm.layers[0].self_attn.module
-    problems = {cls: check(lm, attn, ignore_dropout) for cls, (check, _) in TO_TRANSFORMERS.items()}
+    if name not in own.values() or (name == 'rotary') != isinstance(attn, RotaryMultiHeadAttention):
+        raise ValueError(f"to_transformers: position={name!r} has no transformers counterpart: the decoder classes relpos can "
+                         f"build ({targets}) use {', '.join(map(repr, sorted(set(own.values()))))} positions")
+    problems = {cls: check(lm, attn, ignore_dropout) for cls, (check, _) in TO_TRANSFORMERS.items() if own[cls] == name}
     cls = next((c for c, p in problems.items() if not p), None)
     if cls is None:
         raise ValueError("to_transformers: no transformers class expresses this DecoderLM: " +
                          "; ".join(f"{c} needs {', '.join(p)}" for c, p in problems.items()))
     config_cls, model_cls, kw, sd = TO_TRANSFORMERS[cls][1](lm, attn, T)
-    config = config_cls(**kw, max_position_embeddings=attn.max_position_embeddings or lm.max_len or 2048,
+    config = config_cls(**kw, max_position_embeddings=getattr(attn, 'max_position_embeddings', None) or lm.max_len or 2048,
                         **{'bos_token_id': None, 'eos_token_id': None, 'pad_token_id': None, **token_ids})
     w = lm.src_embed.weight
     with torch.random.fork_rng(devices=[]):   # its random initialisation, overwritten below, leaves the caller's seed alone
@@ -452,3 +618,141 @@ def decoder_to_transformers(lm:DecoderLM,           # a model whose layout a cla
 def to_transformers(self:DecoderLM, ignore_dropout:bool=False, **token_ids) -> nn.Module:
     "The transformers causal LM with this model's architecture and weights (`decoder_to_transformers`)."
     return decoder_to_transformers(self, ignore_dropout, **token_ids)
+
+# %% ../nbs/12_hf.ipynb #classic02
+# The way back for the older layouts: learned absolute positions -> GPT-2, ALiBi -> BLOOM, interleaved rotary with one
+# shared norm -> GPT-J, rotary with multi-query or grouped heads and a parallel block -> Falcon
+TO_TRANSFORMERS_POSITIONS = {'GPT2LMHeadModel': 'absolute', 'BloomForCausalLM': 'alibi'}   # the others: 'rotary'
+
+def _common(lm:DecoderLM, attn, ignore_dropout:bool, **switches) -> list:
+    "The settings these four classes share: pre-norm LayerNorm blocks, no q/k norms, no window; `switches`: their own values."
+    checks = [('norm', lm.norm_kind, 'layer'), ('pre_norm', lm.pre_norm, True), ('post_norm', lm.post_norm, False),
+              ('qk_norm', lm.qk_norm, None), ('sliding_window', lm.sliding_window, None),
+              ('head_dim', attn.d_k, lm.d_model // lm.heads)]
+    default = dict(embedding_norm=False, shared_norm=False, parallel_residual=False, head_bias=False,
+                   bias=True, qkv_bias=None, output_bias=None, kv_heads=attn.heads)
+    got = dict(embedding_norm=lm.embedding_norm, shared_norm=lm.shared_norm, parallel_residual=lm.parallel_residual,
+               head_bias=lm.generator.bias is not None, bias=lm.bias, kv_heads=attn.kv_heads,
+               # None or bias's value: the same model
+               qkv_bias=None if lm.qkv_bias == lm.bias else lm.qkv_bias, output_bias=None if lm.output_bias == lm.bias else lm.output_bias)
+    for k, want in {**default, **switches}.items():
+        if callable(want): checks.append((k, got[k], got[k] if want(got[k]) else f"{want.__doc__}"))
+        else: checks.append((k, got[k], want))
+    if not ignore_dropout: checks.append(('ffn_dropout', lm.ffn_dropout, 0.0))
+    return _needs(checks)
+
+def _gpt2_problems(lm, attn, ignore_dropout):
+    return _common(lm, attn, ignore_dropout) + _needs([('ffn', lm.ffn_kind, lm.ffn_kind if lm.ffn_kind in ('gelu', 'gelu_tanh') else 'gelu_tanh')])
+
+def _bloom_problems(lm, attn, ignore_dropout):
+    checks = [('ffn', lm.ffn_kind, 'bloom_gelu'), ('d_ff', lm.d_ff, 4 * lm.d_model)]   # BLOOM's MLP is 4 x hidden_size
+    if not ignore_dropout: checks.append(('embedding_dropout', lm.embedding_dropout, 0.0))
+    return _common(lm, attn, ignore_dropout, embedding_norm=True) + _needs(checks)
+
+def _rotary_plain(attn) -> list:
+    return [('rope_scaling', attn.rope_scaling['rope_type'], 'default'), ('base', attn.base, 10000.0)]
+
+def _gptj_problems(lm, attn, ignore_dropout):
+    return _common(lm, attn, ignore_dropout, shared_norm=True, parallel_residual=True, head_bias=True, qkv_bias=False,
+                   output_bias=False) + _needs([('ffn', lm.ffn_kind, 'gelu_tanh'), ('interleaved', attn.interleaved, True)]
+                                               + _rotary_plain(attn))   # GPT-J's rotary: base 10000, no scaling
+
+def _falcon_problems(lm, attn, ignore_dropout):
+    def groups(kv):
+        "a divisor of heads (new_decoder_architecture), or 1 or heads in a sequential block"
+        return attn.heads % kv == 0 and (lm.parallel_residual or kv in (1, attn.heads))
+    checks = [('ffn', lm.ffn_kind, lm.ffn_kind if lm.ffn_kind in ('gelu', 'gelu_tanh') else 'gelu'),
+              ('interleaved', attn.interleaved, False), ('rotary_dim', attn.rotary_dim, attn.d_k)]
+    if not ignore_dropout:   # Falcon drops no rotary attention weights, and one mask on the sum of parallel branches
+        checks += [('attention_dropout', lm.attention_dropout, 0.0), ('embedding_dropout', lm.embedding_dropout, 0.0)]
+        if lm.parallel_residual: checks.append(('residual_dropout', lm.residual_dropout, 0.0))
+    bias = lm.bias   # Falcon's `bias` is every projection's
+    return _common(lm, attn, ignore_dropout, shared_norm=lm.shared_norm, parallel_residual=lm.parallel_residual,
+                   bias=bias, kv_heads=groups) + _needs(checks)
+
+def _gpt2_target(lm:DecoderLM, attn, T):
+    cfg = dict(vocab_size=lm.n_vocab, n_embd=lm.d_model, n_layer=len(lm.layers), n_head=lm.heads, n_inner=lm.d_ff,
+               activation_function='gelu_new' if lm.ffn_kind == 'gelu_tanh' else 'gelu', layer_norm_epsilon=lm.norm_eps,
+               attn_pdrop=lm.attention_dropout, resid_pdrop=lm.residual_dropout, embd_pdrop=lm.embedding_dropout,
+               tie_word_embeddings=lm.tie_embeddings)
+    sd = {'transformer.wte.weight': lm.src_embed.weight, 'transformer.wpe.weight': lm.pos_embed.weight,
+          'transformer.ln_f.weight': lm.norm.weight, 'transformer.ln_f.bias': lm.norm.bias, None: lm.generator.weight}
+    for i, l in enumerate(lm.layers):
+        p, a, f = f'transformer.h.{i}.', l.self_attn.module, l.feed_forward
+        sd[p + 'attn.c_attn.weight'] = torch.cat([x.linear.weight for x in (a.query, a.key, a.value)]).t()   # Conv1D: [in, out]
+        sd[p + 'attn.c_attn.bias'] = torch.cat([x.linear.bias for x in (a.query, a.key, a.value)])
+        for theirs, ours in (('attn.c_proj', a.output), ('mlp.c_fc', f.layer1), ('mlp.c_proj', f.layer2)):
+            sd[p + theirs + '.weight'], sd[p + theirs + '.bias'] = ours.weight.t(), ours.bias
+        for theirs, ours in (('ln_1', l.norm_self_attn), ('ln_2', l.norm_ff)): _linear_weights(sd, p + theirs, ours)
+    return T.GPT2Config, T.GPT2LMHeadModel, cfg, sd
+
+def _bloom_target(lm:DecoderLM, attn, T):
+    cfg = dict(vocab_size=lm.n_vocab, hidden_size=lm.d_model, n_layer=len(lm.layers), n_head=lm.heads,
+               layer_norm_epsilon=lm.norm_eps, attention_dropout=lm.attention_dropout, hidden_dropout=lm.residual_dropout,
+               tie_word_embeddings=lm.tie_embeddings)
+    sd = {'transformer.word_embeddings.weight': lm.src_embed.weight, 'transformer.ln_f.weight': lm.norm.weight,
+          'transformer.ln_f.bias': lm.norm.bias, None: lm.generator.weight}
+    _linear_weights(sd, 'transformer.word_embeddings_layernorm', lm.src_embed.norm)
+    for i, l in enumerate(lm.layers):
+        p, a, f = f'transformer.h.{i}.', l.self_attn.module, l.feed_forward
+        sd[p + 'self_attention.query_key_value.weight'], sd[p + 'self_attention.query_key_value.bias'] = _fuse_qkv(a)
+        for theirs, ours in (('input_layernorm', l.norm_self_attn), ('post_attention_layernorm', l.norm_ff),
+                             ('self_attention.dense', a.output), ('mlp.dense_h_to_4h', f.layer1), ('mlp.dense_4h_to_h', f.layer2)):
+            _linear_weights(sd, p + theirs, ours)
+    return T.BloomConfig, T.BloomForCausalLM, cfg, sd
+
+def _gptj_target(lm:DecoderLM, attn, T):
+    cfg = dict(vocab_size=lm.n_vocab, n_embd=lm.d_model, n_layer=len(lm.layers), n_head=lm.heads, n_inner=lm.d_ff,
+               rotary_dim=attn.rotary_dim, activation_function='gelu_new', layer_norm_epsilon=lm.norm_eps,
+               attn_pdrop=lm.attention_dropout, resid_pdrop=lm.residual_dropout, embd_pdrop=lm.embedding_dropout,
+               tie_word_embeddings=lm.tie_embeddings)
+    sd = {'transformer.wte.weight': lm.src_embed.weight, 'transformer.ln_f.weight': lm.norm.weight,
+          'transformer.ln_f.bias': lm.norm.bias, None: lm.generator.weight, 'lm_head.bias': lm.generator.bias}
+    for i, l in enumerate(lm.layers):
+        p, a, f = f'transformer.h.{i}.', l.self_attn.module, l.feed_forward
+        for theirs, ours in (('ln_1', l.norm_self_attn), ('attn.q_proj', a.query.linear), ('attn.k_proj', a.key.linear),
+                             ('attn.v_proj', a.value.linear), ('attn.out_proj', a.output), ('mlp.fc_in', f.layer1),
+                             ('mlp.fc_out', f.layer2)):
+            _linear_weights(sd, p + theirs, ours)
+    return T.GPTJConfig, T.GPTJForCausalLM, cfg, sd
+
+def _falcon_target(lm:DecoderLM, attn, T):
+    h, kv, dk = attn.heads, attn.kv_heads, attn.d_k
+    new = lm.parallel_residual   # parallel: new_decoder_architecture (any grouping, one norm or two); else the older block
+    cfg = dict(vocab_size=lm.n_vocab, hidden_size=lm.d_model, num_hidden_layers=len(lm.layers), num_attention_heads=h,
+               num_kv_heads=kv, new_decoder_architecture=new, multi_query=kv == 1, parallel_attn=lm.parallel_residual,
+               num_ln_in_parallel_attn=1 if lm.shared_norm else 2, bias=lm.bias, alibi=False, ffn_hidden_size=lm.d_ff,
+               activation='gelu' if lm.ffn_kind == 'gelu' else 'gelu_pytorch_tanh', layer_norm_epsilon=lm.norm_eps,
+               # a sequential block drops its attention branch at attention_dropout, its MLP branch at hidden_dropout
+               hidden_dropout=lm.residual_dropout, attention_dropout=0.0 if new else lm.residual_dropout,
+               tie_word_embeddings=lm.tie_embeddings, **_rope_kwargs(attn, partial=False))
+    def fuse(q, k, v):   # the inverse of `_falcon_split`: rows of groups [q x heads/kv, k, v], [q x heads, k, v] or heads [q, k, v]
+        if new: return torch.cat([t.unflatten(0, (kv, -1)) for t in (q, k, v)], 1).flatten(0, 1)
+        if kv == 1: return torch.cat([q, k, v])
+        return torch.stack([t.unflatten(0, (h, dk)) for t in (q, k, v)], 1).flatten(0, 2)
+    sd = {'transformer.word_embeddings.weight': lm.src_embed.weight, 'transformer.ln_f.weight': lm.norm.weight,
+          'transformer.ln_f.bias': lm.norm.bias, None: lm.generator.weight}
+    for i, l in enumerate(lm.layers):
+        p, a, f = f'transformer.h.{i}.', l.self_attn.module, l.feed_forward
+        sd[p + 'self_attention.query_key_value.weight'] = fuse(*(x.linear.weight for x in (a.query, a.key, a.value)))
+        if lm.bias: sd[p + 'self_attention.query_key_value.bias'] = fuse(*(x.linear.bias for x in (a.query, a.key, a.value)))
+        norms = ((('ln_attn', l.norm_self_attn), ('ln_mlp', l.norm_ff)) if new and not lm.shared_norm else
+                 (('input_layernorm', l.norm_self_attn),) + ((('post_attention_layernorm', l.norm_ff),) if not new else ()))
+        for theirs, ours in norms + (('self_attention.dense', a.output), ('mlp.dense_h_to_4h', f.layer1),
+                                     ('mlp.dense_4h_to_h', f.layer2)):
+            _linear_weights(sd, p + theirs, ours)
+    return T.FalconConfig, T.FalconForCausalLM, cfg, sd
+
+TO_TRANSFORMERS.update({'GPT2LMHeadModel': (_gpt2_problems, _gpt2_target), 'BloomForCausalLM': (_bloom_problems, _bloom_target),
+                        'GPTJForCausalLM': (_gptj_problems, _gptj_target), 'FalconForCausalLM': (_falcon_problems, _falcon_target)})
+
+def _no_classic_switches(check):
+    "LLaMA's and GPT-NeoX's checks, plus the switches neither class has."
+    def problems(lm, attn, ignore_dropout):
+        return check(lm, attn, ignore_dropout) + _needs([
+            ('embedding_norm', lm.embedding_norm, False), ('shared_norm', lm.shared_norm, False),
+            ('output_bias', None if lm.output_bias == lm.bias else lm.output_bias, None)])
+    return problems
+for _cls in ('LlamaForCausalLM', 'GPTNeoXForCausalLM'):
+    TO_TRANSFORMERS[_cls] = (_no_classic_switches(TO_TRANSFORMERS[_cls][0]), TO_TRANSFORMERS[_cls][1])
+

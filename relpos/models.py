@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['POSITION_BUILDERS', 'POSITIONS', 'NORMS', 'FFNS', 'QK_NORMS', 'GQA_POSITIONS', 'BIAS_POSITIONS',
            'KNN_LOCAL_POSITIONS', 'HF_FORWARD_KEYWORDS', 'causal_mask', 'BatchFirstAttention', 'SequenceFirstAttention',
-           'ShawAttention', 'LabmlPosition', 'SwiGLUFeedForward', 'make_norm', 'make_ffn', 'DecoderLayer',
-           'NormedHeads', 'normalise_heads', 'DecoderLM', 'CausalLMOutput', 'causal_lm_loss',
+           'ShawAttention', 'LabmlPosition', 'SwiGLUFeedForward', 'BloomGELU', 'make_norm', 'make_ffn', 'DecoderLayer',
+           'NormedEmbedding', 'NormedHeads', 'normalise_heads', 'DecoderLM', 'CausalLMOutput', 'causal_lm_loss',
            'RepetitionPenaltyProcessor', 'TemperatureProcessor', 'TopKProcessor', 'TopPProcessor',
            'labml_xl_state_dict']
 
@@ -146,8 +146,12 @@ class SwiGLUFeedForward(nn.Module):
 
     def forward(self, x): return self.layer2(self.dropout(F.silu(self.gate(x)) * self.layer1(x)))
 
+class BloomGELU(nn.Module):
+    "BLOOM's GELU: the tanh approximation with Megatron's rounded constant 0.79788456 for sqrt(2/pi), not quite `gelu_tanh`."
+    def forward(self, x): return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
 NORMS = ('layer', 'rms')            # `DecoderLM(norm=)`: LayerNorm (labml, GPT-NeoX) or RMSNorm (LLaMA)
-FFNS = ('relu', 'gelu', 'swiglu')   # `DecoderLM(ffn=)`: labml's ReLU block, GELU (GPT-NeoX), gated SiLU (LLaMA)
+FFNS = ('relu', 'gelu', 'swiglu', 'gelu_tanh', 'bloom_gelu')   # `DecoderLM(ffn=)`: labml's ReLU block, GELU (GPT-NeoX), gated SiLU (LLaMA), GELU's tanh approximation (GPT-2, GPT-J), BLOOM's
 
 def make_norm(norm:str, d_model:int, eps:float=1e-5) -> nn.Module:
     "`nn.LayerNorm` or `nn.RMSNorm` over `d_model` features."
@@ -158,7 +162,7 @@ def make_ffn(ffn:str, d_model:int, d_ff:int, dropout:float, bias:bool=True) -> n
     "The feed-forward block `ffn` names (`FFNS`); `bias=False`: no biases."
     if ffn not in FFNS: raise ValueError(f"ffn must be one of {FFNS}, got {ffn!r}")
     if ffn == 'swiglu': return SwiGLUFeedForward(d_model, d_ff, dropout, bias)
-    block = FeedForward(d_model, d_ff, dropout, activation=nn.GELU() if ffn == 'gelu' else None)
+    block = FeedForward(d_model, d_ff, dropout, activation={'gelu': nn.GELU(), 'gelu_tanh': nn.GELU(approximate='tanh'), 'bloom_gelu': BloomGELU()}.get(ffn))
     if not bias:
         for lin in (block.layer1, block.layer2): lin.register_parameter('bias', None)
     return block
@@ -170,12 +174,13 @@ class DecoderLayer(nn.Module):
                  *,
                  ffn_dropout:Optional[float]=None, # on the feed-forward block's hidden features; None: `dropout`
                  norm:str='layer',               # 'layer' or 'rms'
-                 ffn:str='relu',                 # 'relu', 'gelu' or 'swiglu'
+                 ffn:str='relu',                 # one of `FFNS`
                  bias:bool=True,                 # biases in the feed-forward block
                  norm_eps:float=1e-5,            # the norms' epsilon
                  parallel_residual:bool=False,   # GPT-NeoX / GPT-J: x + attn(norm1(x)) + ff(norm2(x))
                  pre_norm:bool=True,             # normalise each branch's input (False: `norm_self_attn`, `norm_ff` are identities)
-                 post_norm:bool=False):          # normalise each branch's output before it joins `x` (OLMo 2; Gemma 2 with pre_norm too)
+                 post_norm:bool=False,           # normalise each branch's output before it joins `x` (OLMo 2; Gemma 2 with pre_norm too)
+                 shared_norm:bool=False):        # with `parallel_residual`: both branches read `norm_self_attn(x)` (GPT-J, Falcon); no `norm_ff`
         super().__init__()
         self.self_attn, self.parallel_residual = self_attn, parallel_residual
         self.feed_forward = make_ffn(ffn, d_model, d_ff, dropout if ffn_dropout is None else ffn_dropout, bias)
@@ -183,6 +188,7 @@ class DecoderLayer(nn.Module):
                                              if pre_norm else (nn.Identity(), nn.Identity()))
         if post_norm: self.post_norm_self_attn, self.post_norm_ff = make_norm(norm, d_model, norm_eps), make_norm(norm, d_model, norm_eps)
         else: self.post_norm_self_attn = self.post_norm_ff = None
+        if shared_norm: self.norm_ff = None     # the feed-forward block reads the attention's norm
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x:torch.Tensor,          # `[batch, n, d_model]`
@@ -201,12 +207,22 @@ class DecoderLayer(nn.Module):
         "Add `a` to the residual stream, then the feed-forward block's output (both from `x`: `parallel_residual`); the cached path shares it."
         post_a, post_f = self.post_norm_self_attn, self.post_norm_ff
         def ff(x):
-            f = self.feed_forward(self.norm_ff(x))
+            f = self.feed_forward((self.norm_self_attn if self.norm_ff is None else self.norm_ff)(x))
             return self.dropout(f if post_f is None else post_f(f))
         a = self.dropout(a if post_a is None else post_a(a))
         if self.parallel_residual: return x + a + ff(x)
         x = x + a
         return x + ff(x)
+
+# %% ../nbs/09_models.ipynb #cls0emb1
+class NormedEmbedding(nn.Embedding):
+    "A token embedding followed by a norm (BLOOM's `word_embeddings_layernorm`); `weight` is the table, so tying and `get_input_embeddings` see an `nn.Embedding`."
+    def __init__(self, n_vocab:int, d_model:int, norm:str='layer', eps:float=1e-5):
+        super().__init__(n_vocab, d_model)
+        self.norm = make_norm(norm, d_model, eps)
+
+    def forward(self, tokens:torch.Tensor) -> torch.Tensor: return self.norm(super().forward(tokens))
+
 
 # %% ../nbs/09_models.ipynb #qknorm01
 QK_NORMS = (None, 'head', 'full')   # `DecoderLM(qk_norm=)`: none, per head (Qwen3), over the whole projection (OLMo 2)
@@ -287,6 +303,9 @@ class DecoderLM(nn.Module):
                  sliding_window:Optional[int]=None, # a token attends at most this many tokens, itself included (Mistral); None: all before it
                  pre_norm:bool=True,            # normalise each branch's input (labml, LLaMA); False: OLMo 2
                  post_norm:bool=False,          # normalise each branch's output before it joins the residual stream (OLMo 2, Gemma 2)
+                 embedding_norm:bool=False,     # a norm on the token embeddings (BLOOM): `src_embed` is a `NormedEmbedding`
+                 shared_norm:bool=False,        # with `parallel_residual`: one norm per layer, read by both branches (GPT-J, Falcon)
+                 output_bias:Optional[bool]=None, # bias of the attention's output projection; None: `bias` (GPT-J: False with bias=True)
                  **position_kwargs):         # passed to the position method's attention module (e.g. `P=`, `k=`, `rope_scaling=`)
         super().__init__()
         if norm not in NORMS: raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -305,6 +324,7 @@ class DecoderLM(nn.Module):
         for name, flag in (('pre_norm', pre_norm), ('post_norm', post_norm)):
             if not isinstance(flag, bool): raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
         self.qkv_bias, self.qk_norm, self.sliding_window = qkv_bias, qk_norm, sliding_window
+        self._check_classic(embedding_norm, shared_norm, output_bias, parallel_residual, pre_norm)
         self.pre_norm, self.post_norm = pre_norm, post_norm
         if not (isinstance(norm_eps, (int, float)) and not isinstance(norm_eps, bool) and norm_eps > 0):
             raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
@@ -343,7 +363,7 @@ class DecoderLM(nn.Module):
         self.knn_memory, self.knn_memory_kwargs = knn_memory, _check_knn_memory('DecoderLM', knn_memory, knn_memory_kwargs)
         self.n_vocab, self.d_model, self.heads, self.d_ff, self.dropout_p = n_vocab, d_model, heads, d_ff, dropout
         self.position, self.mem_len, self.max_len, self.position_kwargs = position, mem_len, max_len, position_kwargs
-        self.src_embed = nn.Embedding(n_vocab, d_model)
+        self.src_embed = NormedEmbedding(n_vocab, d_model, norm, norm_eps) if embedding_norm else nn.Embedding(n_vocab, d_model)
         self.pos_embed = nn.Embedding(max_len, d_model) if position == 'absolute' else None
         self.drop = nn.Dropout(self.embedding_dropout)   # the embeddings are the residual stream's first term
         self.layers = nn.ModuleList([self.make_layer(i) for i in range(n_layers)])
@@ -387,7 +407,7 @@ class DecoderLM(nn.Module):
         if isinstance(module, MultiHeadAttention):
             # labml's value and output projections always have a bias: removed where the model has none (LLaMA: none)
             if not qkv_bias: module.value.linear.register_parameter('bias', None)
-            if not self.bias: module.output.register_parameter('bias', None)
+            if not (self.bias if self.output_bias is None else self.output_bias): module.output.register_parameter('bias', None)
             if self.qk_norm is not None: normalise_heads(module, self.qk_norm, self.norm_kind, self.norm_eps)
         elif not self.bias or self.qk_norm is not None:
             arg = f"qk_norm={self.qk_norm!r}" if self.qk_norm is not None else "bias=False"
@@ -401,7 +421,23 @@ class DecoderLM(nn.Module):
         if layer in self.memorizing_layers: attn = self.make_memorizing(layer, attn)
         return DecoderLayer(self.d_model, attn, self.d_ff, self.residual_dropout, ffn_dropout=self.ffn_dropout,
                             norm=self.norm_kind, ffn=self.ffn_kind, bias=self.bias, norm_eps=self.norm_eps,
-                            parallel_residual=self.parallel_residual, pre_norm=self.pre_norm, post_norm=self.post_norm)
+                            parallel_residual=self.parallel_residual, pre_norm=self.pre_norm, post_norm=self.post_norm,
+                            shared_norm=self.shared_norm)
+
+# %% ../nbs/09_models.ipynb #cls0chk1
+@patch
+def _check_classic(self:DecoderLM, embedding_norm, shared_norm, output_bias, parallel_residual, pre_norm):
+    "Check and keep `embedding_norm`, `shared_norm`, `output_bias` (the switches of GPT-2, GPT-J, BLOOM and Falcon)."
+    for name, flag in (('embedding_norm', embedding_norm), ('shared_norm', shared_norm)):
+        if not isinstance(flag, bool): raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+    if output_bias is not None and not isinstance(output_bias, bool):
+        raise TypeError(f"output_bias must be None (bias's value) or a bool, got {type(output_bias).__name__} {output_bias!r}")
+    if shared_norm and not (parallel_residual and pre_norm):
+        raise ValueError(f"shared_norm=True: one norm read by both branches needs parallel_residual=True and pre_norm=True "
+                         f"(a sequential block normalises the sum that reaches the feed-forward block), got "
+                         f"parallel_residual={parallel_residual}, pre_norm={pre_norm}")
+    self.embedding_norm, self.shared_norm, self.output_bias = embedding_norm, shared_norm, output_bias
+
 
 # %% ../nbs/09_models.ipynb #d7b9adb4
 KNN_LOCAL_POSITIONS = ('none', 'xl', 'xl_paper', 'fourier', 'rotary', 'alibi', 't5', 'fire', 'kerple', 'xpos') # positions a kNN layer can take as its local side
@@ -1093,6 +1129,7 @@ def to_config(self:DecoderLM) -> dict:
                 ffn_dropout=follow(self.ffn_dropout, self.dropout_p),
                 embedding_dropout=follow(self.embedding_dropout, self.residual_dropout), qkv_bias=self.qkv_bias,
                 qk_norm=self.qk_norm, sliding_window=self.sliding_window, pre_norm=self.pre_norm, post_norm=self.post_norm,
+                embedding_norm=self.embedding_norm, shared_norm=self.shared_norm, output_bias=self.output_bias,
                 **self.position_kwargs)
 
 @patch
