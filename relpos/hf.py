@@ -35,6 +35,9 @@ def _config_rope(config, head_dim:int,
     prf = params.pop('partial_rotary_factor', None)
     if prf is None: prf = getattr(config, 'partial_rotary_factor', None) or getattr(config, 'rotary_pct', None) or 1.0
     kind = params.get('rope_type', params.get('type', 'default'))
+    if kind == 'proportional':   # Gemma 4's: the factor stops pairs from turning, the rotation spans the whole head
+        if prf != 1.0: params['partial_rotary_factor'] = prf
+        prf = 1.0
     if whole_heads is not None and prf != 1.0:
         # transformers' LLaMA rotates whole heads: its default rope ignores the factor; other rope types size their
         # frequencies by it and then fail in LLaMA's own forward, so there is no behaviour to reproduce

@@ -296,3 +296,69 @@ def test_what_no_class_expresses_is_refused_by_name():
                   embedding_norm=True).to_transformers()
     with pytest.raises(ValueError, match="position='fire' has no transformers counterpart"):
         DecoderLM(V, d_model=24, heads=4, position='fire').to_transformers()
+
+
+# ---------------------------------------------------------------- transformers' `proportional` rope type (Gemma 4)
+from relpos.rotary import rope_parameters, RotaryMultiHeadAttention
+from test_modern import llama_pair, llama_ref
+
+
+@pytest.mark.parametrize("prf", [0.25, 0.5, 1.0])
+@pytest.mark.parametrize("factor", [None, 2.0])
+@pytest.mark.parametrize("dim", [16, 12])
+def test_proportional_frequencies_are_transformers(prf, factor, dim):
+    "Bit for bit transformers' `ROPE_INIT_FUNCTIONS['proportional']` on a LlamaConfig with the same dict, float32; factor 1."
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    rope = {'rope_type': 'proportional', 'partial_rotary_factor': prf, **({} if factor is None else {'factor': factor})}
+    cfg = transformers.LlamaConfig(hidden_size=2 * dim, num_attention_heads=2, head_dim=dim,
+                                   rope_parameters={**rope, 'rope_theta': 500.0})
+    want, want_a = ROPE_INIT_FUNCTIONS['proportional'](cfg, None)
+    got, a = rope_parameters(rope, dim, base=500.0)
+    assert torch.equal(got, want) and a == want_a == 1.0
+    turning = int(prf * dim // 2)
+    assert (got[turning:] == 0).all() and (got[:turning] > 0).all()
+
+
+def test_proportional_is_not_partial_rotary():
+    "The turning pairs keep the whole head's frequencies, where a partial rotation of p D features has its own."
+    prop, _ = rope_parameters({'rope_type': 'proportional', 'partial_rotary_factor': 0.5}, 16)
+    part, _ = rope_parameters(None, 8)
+    whole, _ = rope_parameters(None, 16)
+    assert torch.equal(prop[:4], whole[:4]) and not torch.equal(prop[:4], part)
+
+
+@pytest.mark.parametrize("prf", [0.25, 0.5])
+def test_proportional_attention_equals_llamas(prf):
+    "A LLaMA attention whose config has the proportional rope: relpos's layer gives its outputs, also with position ids."
+    rope = {'rope_type': 'proportional', 'factor': 2.0, 'partial_rotary_factor': prf}
+    ref, emb, ours = llama_pair(rope=rope)
+    x = torch.randn(2, 10, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ids = torch.arange(10)[None].expand(2, 10) + torch.tensor([[0], [7]])
+    with torch.no_grad():
+        assert max_err(run(ours, x, causal(2, 10), ids), llama_ref(ref, emb, x, causal(2, 10), ids)) <= TOL
+
+
+def test_proportional_llama_converts_whole():
+    "`DecoderLM.from_transformers` reads the proportional rope off a Llama config: whole-head rotation, the same logits."
+    with float32_as_float64():
+        cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                                       rope_parameters={'rope_type': 'proportional', 'partial_rotary_factor': 0.5,
+                                                        'factor': 2.0, 'rope_theta': 1000.0})
+        cfg._attn_implementation = 'sdpa'
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).double().eval()
+    lm = DecoderLM.from_transformers(model)
+    a = lm.layers[0].self_attn.module
+    assert a.rotary_dim == 8 and a.rope_scaling['rope_type'] == 'proportional'
+    x = tokens(2, 16)
+    with torch.no_grad():
+        assert max_err(lm(x)[0], ref_logits(model, x)) <= TOL
+        cache = lm.new_cache(2, 16)
+        got = torch.cat([lm(x[:, :6], cache=cache)[0]] + [lm(x[:, t:t + 1], cache=cache)[0] for t in range(6, 16)], 1)
+        assert max_err(got, lm(x)[0]) <= TOL
+
+
+def test_proportional_refuses_a_partial_rotation():
+    with pytest.raises(ValueError, match="rope_type 'proportional' rotates whole heads"):
+        RotaryMultiHeadAttention(4, 32, rotary_dim=4, rope_scaling={'rope_type': 'proportional', 'partial_rotary_factor': 0.5})
