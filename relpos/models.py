@@ -628,7 +628,7 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
     b, n = tokens.shape
     m = memory[0].shape[1] if memory else 0
     x = self.src_embed(tokens)
-    if self.pos_embed is not None: x = x + self.pos_embed.weight[m:m + n]   # memory only in generate: positions go on
+    if self.pos_embed is not None: x, position_ids = self._absolute_positions(x, m, position_ids)   # the table takes the ids
     x = self.drop(x)
     mask = causal_mask(n, m + n, device=tokens.device, window=self.sliding_window)
     if m and drop is not None and bool(drop.any()):
@@ -665,12 +665,27 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
         for knn_memory, keys, values in writes: knn_memory.add(keys, values)
     return self.generator(self.norm(x)), new_memory
 
+# %% ../nbs/09_models.ipynb #cls0abs1
+@patch
+def _absolute_positions(self:DecoderLM, x:torch.Tensor, # `[batch, n, d_model]` token embeddings
+                        m:int,                          # memory length (only in generate without a cache: positions go on)
+                        position_ids:Optional[torch.Tensor]): # checked `[batch or 1, m + n]`, or None
+    "`position='absolute'`: add the learned table's rows for positions `m, m+1, ...` or for `position_ids` (left padding: GPT-2's); the layers then take no ids."
+    n = x.shape[1]
+    if position_ids is None: return x + self.pos_embed.weight[m:m + n], None
+    ids = position_ids[..., m:]
+    if ids.numel() and int(ids.max()) >= self.max_len:
+        raise ValueError(f"position_ids reach position {int(ids.max())}, but position='absolute' covers positions < "
+                         f"max_len={self.max_len}; build DecoderLM(..., max_len={int(ids.max()) + 1}) (or larger)")
+    return x + self.pos_embed(ids), None
+
+
 # %% ../nbs/09_models.ipynb #e139980d
 @patch
 def forward(self:DecoderLM, tokens:Optional[torch.Tensor]=None, # token ids `[batch, seq_len]` (or `input_ids=`)
             memory:Optional[List[torch.Tensor]]=None, # the memory returned by the previous call (None or []: none)
             doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first, their XL memory is not attended, their K/V cache is reset)
-            position_ids:Optional[torch.Tensor]=None, # int `[batch, m + seq_len]` or `[m + seq_len]`: positions of the memory and the tokens (rotary, ALiBi, T5); with `cache`: `[batch, seq_len]` or `[seq_len]`, which must continue the cache's
+            position_ids:Optional[torch.Tensor]=None, # int `[batch, m + seq_len]` or `[m + seq_len]`: positions of the memory and the tokens (rotary, ALiBi, T5, absolute's table rows); with `cache`: `[batch, seq_len]` or `[seq_len]`, which must continue the cache's
             attention_mask:Optional[torch.Tensor]=None, # bool or 0/1 `[batch, m + seq_len]`: False/0 = padding (never attended); with `cache`: `[batch, seq_len]`, the new tokens'
             *, cache=None,                            # a `relpos.cache.KVCache` from `new_cache`: decode incrementally (instead of `memory`)
             input_ids:Optional[torch.Tensor]=None,    # transformers' name for `tokens`: the call returns a `CausalLMOutput`

@@ -79,7 +79,7 @@ def test_logits_equal_transformers(name):
         assert max_err(lm(x)[0], ref_logits(model, x)) <= TOL
 
 
-@pytest.mark.parametrize("name", ['bloom', 'gptj', 'falcon_gqa_two_norms'])
+@pytest.mark.parametrize("name", ['gpt2', 'bloom', 'gptj', 'falcon_gqa_two_norms'])
 def test_logits_with_left_padding(name):
     model = case(name)
     lm = DecoderLM.from_transformers(model)
@@ -101,6 +101,24 @@ def test_greedy_tokens_equal_transformers_generate(name):
         want = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(lm.generate(prompt, 20, temperature=0), want)
     assert len(set(want[:, 6:].flatten().tolist())) > 5   # not one token repeated
+
+
+@pytest.mark.parametrize("name", ['gpt2', 'bloom', 'gptj', 'falcon_mqa'])
+def test_greedy_tokens_with_left_padding(name):
+    "Rows of different lengths, left-padded: each row's positions start at its first token, as transformers' `generate` counts them."
+    model = case(name, scale=4.0)
+    lm = DecoderLM.from_transformers(model)
+    prompt = tokens(2, 8, seed=6)
+    keep = torch.ones(2, 8, dtype=torch.long); keep[0, :3] = 0
+    with float32_as_float64(), torch.no_grad():
+        want = model.generate(prompt, attention_mask=keep, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(lm.generate(prompt, 12, temperature=0, attention_mask=keep), want)
+
+
+def test_absolute_positions_beyond_the_table_are_refused():
+    lm = DecoderLM.from_transformers(case('gpt2'))
+    with pytest.raises(ValueError, match="position_ids reach position 64, but position='absolute' covers positions < max_len=64"):
+        lm(tokens(1, 4), position_ids=torch.tensor([[0, 1, 2, 64]]))
 
 
 @pytest.mark.parametrize("name", list(CASES))
