@@ -531,3 +531,15 @@ def test_sentences_from_the_cost_tables_are_current(monkeypatch):
             assert stored == [got], f'{nb.name} cell {i}: re-execute it (tools/execute_nb.py), its output is stale'
             checked.append(nb.name)
     assert {'index.ipynb', '06_rotary.ipynb', '07_alibi.ipynb', '08_t5.ipynb'} <= set(checked), checked
+
+def test_study_answer_current(monkeypatch):
+    "The study's short answer, quoted on the docs home and in the guide to picking a method, is what the stored runs"
+    " give now (`make study` re-executes both)."
+    from relpos.bench import load_case
+    monkeypatch.chdir(ROOT/'nbs')
+    want = load_case('bench.study:StudyResults').load().which_to_use()
+    call = "Markdown(load_case('bench.study:StudyResults').load().which_to_use())"
+    for nb in (HOME, ROOT/'nbs'/'g3_which_method.ipynb'):
+        [c] = [c for c in _nb(nb)['cells'] if call in ''.join(c['source'])]
+        [got] = [''.join(o['data']['text/markdown']) for o in c['outputs'] if 'text/markdown' in o.get('data', {})]
+        assert got == want, f'{nb.name}: its study answer is stale; execute it (tools/execute_nb.py)'
