@@ -110,12 +110,16 @@ def test_text_outputs_shown_as_text(site, nb):
         d, _src = render_docs.split_directives(''.join(c['source']))
         if d.keys() & {'hide', 'export', 'exports', 'exporti', 'hide_output'} or any(
                 render_docs._false(d.get(k, 'true')) for k in ('include', 'output')): continue
-        for o in c.get('outputs', []):
-            if o.get('output_type') == 'stream' and o.get('name') == 'stdout': t = o['text']
-            elif o.get('output_type') == 'execute_result' and set(o.get('data', {})) == {'text/plain'}: t = o['data']['text/plain']
-            else: continue
-            t = re.sub(r'\x1b\[[0-9;]*m', '', ''.join(t)).strip()
-            if t: want.append(t)
+        stdout = ''   # consecutive stdout pieces are one text on the page, as Jupyter shows them
+        for o in c.get('outputs', []) + [{}]:
+            if o.get('output_type') == 'stream' and o.get('name') == 'stdout':
+                stdout += ''.join(o['text']); continue
+            texts = [stdout] + ([o['data']['text/plain']] if o.get('output_type') == 'execute_result'
+                                and set(o.get('data', {})) == {'text/plain'} else [])
+            stdout = ''
+            for t in texts:
+                t = re.sub(r'\x1b\[[0-9;]*m', '', ''.join(t)).strip()
+                if t: want.append(t)
     if not want: pytest.skip('no text outputs')
     pres = _pre_texts((out/(nb.stem + '.html')).read_text())
     missing = [t for t in want if t not in pres]
