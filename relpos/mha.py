@@ -6,11 +6,12 @@
 __all__ = ['FAST_PATH_MAX_SCORE', 'GPU_BLOCK_SCORES', 'check_sequence', 'size_or_one', 'PrepareForMultiHeadAttention',
            'MultiHeadAttention', 'expand_kv', 'check_position_ids', 'check_position_order', 'packed_causal_mask',
            'packed_position_ids', 'is_causal_mask', 'remember_causal', 'guard_double_backward', 'scores_may_exceed',
-           'functorch_active', 'differentiable_backward', 'check_chunk_size', 'available_cpus', 'head_workers',
-           'run_head_groups', 'block_key_ranges', 'block_rows']
+           'softcapped_attention', 'query_temperature', 'functorch_active', 'differentiable_backward',
+           'check_chunk_size', 'available_cpus', 'head_workers', 'run_head_groups', 'block_key_ranges', 'block_rows']
 
 # %% ../nbs/01_mha.ipynb #ed119fe5
 import math, os, weakref
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, List, Tuple
 import torch
@@ -109,6 +110,12 @@ class MultiHeadAttention(nn.Module):
     # and `attention_reference` (only when the caller gave some: the other layers keep their signatures).
     accepts_position_ids = False
     ordered_position_ids = False  # True: `check_position_order` runs on the ids (a method whose distances have a direction)
+    # Soft-capped scores (Gemma 2): set on an instance, each logit s (scaled, bias added) becomes c tanh(s / c) before
+    # the mask. Fused kernels cannot cap: the readable path and `sdpa` (through `softcapped_attention`) do
+    softcap = None
+    # Llama 4's query temperature: `(floor_scale, attn_scale)` set on an instance multiplies query i (stream index t) by
+    # 1 + attn_scale * log(1 + floor((t + 1) / floor_scale)) (`query_temperature`), which sharpens attention far out
+    query_temperature = None
 
 # %% ../nbs/01_mha.ipynb #b3d51851
 def expand_kv(x:torch.Tensor, # `[..., kv_heads, d_k]` keys or values (heads in dim -2)
@@ -220,6 +227,7 @@ def attention_reference(self:MultiHeadAttention, query, key, value, mask, **posi
         bias = bias.to(scores.dtype)
         if bias.dim() == 3: bias = bias.unsqueeze(0)
         scores = scores + bias.permute(2, 3, 0, 1)  # [B, H, sq, sk] -> [sq, sk, B, H]
+    if self.softcap is not None: scores = torch.tanh(scores / self.softcap) * self.softcap   # Gemma 2 (see `softcap`)
     row_ok = None
     if mask is not None:
         # A row whose keys are all masked would be softmax(-inf, ..., -inf) = NaN. Its mask row
@@ -252,6 +260,9 @@ def forward(self:MultiHeadAttention, *,
     pos = {} if ids is None else {'position_ids': ids}   # passed on only when given (see `accepts_position_ids`)
     seq_len, batch_size, _ = query.shape
     query, key, value = self.query(query), self.key(key), self.value(value)
+    if self.query_temperature is not None:   # Llama 4; query i is at stream index i + seq_k - seq_q (memory first)
+        t = torch.arange(key.shape[0] - seq_len, key.shape[0], device=query.device)
+        query = query * query_temperature(t, *self.query_temperature, query.dtype)[:, None, None, None]
     need_weights = self.need_weights if need_weights is None else need_weights
     if need_weights or not self._fast_path_ok() or self._large_scores(query, key):
         x, attn = self.attention_reference(query, key, value, mask, **pos)
@@ -400,9 +411,9 @@ def sdpa(self:MultiHeadAttention, query, key, value, mask, bias=None):
         if bias.dim() == 3: bias = bias.unsqueeze(0)
         attn_mask = bias if attn_mask is None else bias.masked_fill(~attn_mask, float('-inf'))
     # grouped-query heads: SDPA's `enable_gqa` reads key/value head h // (heads // kv_heads), no copies
-    x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=self.scale,
-                                       dropout_p=self.dropout.p if self.training else 0.0,
-                                       enable_gqa=k.shape[1] != q.shape[1])
+    attend = F.scaled_dot_product_attention if self.softcap is None else partial(softcapped_attention, softcap=self.softcap)
+    x = attend(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=self.scale,
+               dropout_p=self.dropout.p if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])
     guard_double_backward(x, q, attn_mask)   # see "Fast paths, higher-order gradients" below
     if row_ok is not None: x = x * row_ok
     # torch 2.13's fused CPU kernel returns 0, not NaN, for a query row holding a NaN/Inf when no
@@ -419,6 +430,7 @@ def attention_fast(self:MultiHeadAttention, query, key, value, mask, **position_
 @patch
 def _fast_path_ok(self:MultiHeadAttention):
     cls = type(self)
+    if self.softcap is not None: return False   # the fused kernels cannot cap the scores
     # A subclass that changes `get_scores` but not `attention_fast` would silently lose its
     # score term on the fast path: send it to the readable path instead.
     return (cls.get_scores is MultiHeadAttention.get_scores
@@ -429,6 +441,37 @@ def _large_scores(self:MultiHeadAttention, query, key) -> bool:
     "A backward is coming and some score may be large: the fused kernels' recomputed softmax would be off (see \"Large scores\")."
     return (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
             and scores_may_exceed(query, key, self.scale))
+
+# %% ../nbs/01_mha.ipynb #softcap01
+def softcapped_attention(q:torch.Tensor, k:torch.Tensor, v:torch.Tensor, # `[batch, heads (k, v: kv_heads), seq, d]`
+                         attn_mask:Optional[torch.Tensor]=None, # bool (True: may attend) or float (added; -inf: hidden), broadcast to the scores
+                         dropout_p:float=0.0, is_causal:bool=False, scale:Optional[float]=None,
+                         enable_gqa:bool=False,   # key/value head h // (heads // kv_heads) serves query head h
+                         softcap:float=50.0,      # c: each logit s (scaled, float mask added) becomes c tanh(s / c)
+                        ) -> torch.Tensor:        # `[batch, heads, seq_q, d]`
+    "`F.scaled_dot_product_attention`'s arguments and result, with soft-capped logits (Gemma 2), from the scores."
+    if enable_gqa: k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    s = torch.matmul(q, k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    hidden = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool: hidden = ~attn_mask
+        else: s, hidden = s + attn_mask, attn_mask == float('-inf')
+    if is_causal:
+        later = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        hidden = later if hidden is None else hidden | later
+    s = torch.tanh(s / softcap) * softcap
+    if hidden is not None: s = s.masked_fill(hidden, float('-inf'))   # tanh(-inf) = -1: masked again after the cap
+    return torch.matmul(F.dropout(s.softmax(-1), dropout_p), v)
+
+def query_temperature(t:torch.Tensor,     # int `[n]`: the queries' indices in the stream (0 for the first token)
+                      floor_scale:float,  # Llama 4: 8192
+                      attn_scale:float,   # Llama 4: 0.1
+                      dtype:torch.dtype,  # the queries' dtype (computed in float32, float64 for float64, as transformers)
+                     ) -> torch.Tensor:   # `[n]`: what each query is multiplied by
+    "Llama 4's temperature on the queries of its NoPE layers: $1 + s \\log(1 + \\lfloor (t + 1) / f \\rfloor)$, 1 for the first $f - 1$ tokens."
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (torch.log1p(torch.floor((t.to(wide) + 1.0) / floor_scale)) * attn_scale + 1.0).to(dtype)
+
 
 # %% ../nbs/01_mha.ipynb #de349897
 def functorch_active() -> bool:
