@@ -431,7 +431,8 @@ def test_notation_table_on_docs_home():
 # symbols the notation table gives one meaning: a lesson may not use them for another
 _REDEFINED = {r'e^{i': '`i` is the query position, not the imaginary unit (write cos/sin)',
               r'\theta_d': 'the rotary frequency index is f: theta_f',
-              r'$L$': 'L is FIRE\'s threshold only; the training length is T'}
+              r'$L$': 'L is FIRE\'s threshold only; the training length is T',
+              r'h^{n': 'n is the sequence length; write a layer index as \\ell'}
 
 @pytest.mark.parametrize('nb', LESSONS, ids=lambda p: p.name)
 def test_lesson_follows_notation(nb):
@@ -548,3 +549,15 @@ def test_study_answer_current(monkeypatch):
         [c] = [c for c in _nb(nb)['cells'] if call in ''.join(c['source'])]
         [got] = [''.join(o['data']['text/markdown']) for o in c['outputs'] if 'text/markdown' in o.get('data', {})]
         assert got == want, f'{nb.name}: its study answer is stale; execute it (tools/execute_nb.py)'
+
+def test_lesson_t5_states_where_the_last_bucket_starts():
+    "The T5 chapter's idea names the first distance of the decoder's last bucket; the bucket function agrees (113, not 128)."
+    import torch
+    from relpos.t5 import relative_position_bucket
+    idea = next(''.join(c['source']) for c in _nb(ROOT/'nbs'/'08_t5.ipynb')['cells']
+                if c['cell_type'] == 'markdown' and '## The idea' in ''.join(c['source']))
+    m = re.search(r'every distance from (\d+) on shares the last one', idea)
+    assert m, 'the idea no longer says where the last bucket starts'
+    first = int(m.group(1))
+    buckets = relative_position_bucket(-torch.arange(first - 1, first + 1), bidirectional=False)
+    assert buckets.tolist() == [30, 31], f'distance {first - 1} is in bucket {buckets[0]}: the last bucket starts earlier'
