@@ -6,13 +6,17 @@ fine-tune at 4x the length), a NoPE hybrid, and every method that takes memory t
 
     python -m bench.study                   # every run of the main phase not yet stored (`make study`): resumable
     python -m bench.study --phase long      # 4x the steps for the best methods of the main phase, 2 seeds
-    python -m bench.study --phase timing    # short runs that time a step (wants a quiet machine)
+    python -m bench.study --phase timing    # CPU time of a training step of every label: one thread, 5 interleaved rounds
+    python -m bench.study --device cuda     # the same runs on a GPU (each run file records where it ran)
     python -m bench.study --list            # the runs of a phase and which are stored
     python -m bench.study --smoke --out D   # tiny models, a few steps, stored in D (what the tests run)
 
 Each run is stored as soon as it finishes, in nbs/data/study/<phase>__<label>__seed<k>.json; stored runs are
 skipped, so an interrupted study continues where it stopped. Runs go to `bench.pool.run_pool`: one fresh
-single-threaded process per run, two at a time.
+single-threaded process per run, two at a time. A stored run whose position settings differ from what the study asks
+for now (FIRE's threshold, T5's buckets: `is_current`) is set aside and run again. Every label of a seed starts from
+the same weights wherever it shares parameters with `none` (`pair_init`), so per-seed differences are paired; the
+verdicts (`StudyResults.judge`) follow `VERDICT_RULE`.
 """
 import argparse, copy, hashlib, json, math, statistics, sys, time
 from pathlib import Path
@@ -599,14 +603,19 @@ class StudyResults:
             by_seed = {}
             for l, k in miss: by_seed.setdefault(k, []).append(l)
             every = {l for l, _ in self.expected.get(p, [])}
-            if by_seed:
+            if by_seed and len({tuple(ls) for ls in by_seed.values()}) == 1:   # the same labels missing at every seed
+                ls = next(iter(by_seed.values()))
+                s += '; missing: ' + ('every label' if set(ls) == every else ', '.join(f'`{l}`' for l in ls)) + \
+                     f" (seed{'s' * (len(by_seed) > 1)} {', '.join(map(str, sorted(by_seed)))})"
+            elif by_seed:
                 s += '; missing: ' + '; '.join(f"seed {k}: " + ('every label' if set(ls) == every else ', '.join(f'`{l}`' for l in ls))
                                                for k, ls in sorted(by_seed.items()))
             out.append(s)
         if self.timing: out.append(f"timing: {len(self.timing['seconds'])} labels, {self.timing['repeats']} rounds")
         if self.stale:
+            old = sorted({(r['phase'], r['label']) for r in self.stale})
             out.append('set aside (stored with other position settings than the study uses now): '
-                       + ', '.join(f"{r['phase']} `{r['label']}` seed {r['seed']}" for r in self.stale if r['phase'] != 'timing'))
+                       + ', '.join(f"{p} `{l}` ({len([r for r in self.stale if (r['phase'], r['label']) == (p, l)])} runs)" for p, l in old))
         return '; '.join(out) + '.'
 
     def runs(self, label, phase='main') -> list:
@@ -771,7 +780,7 @@ class StudyResults:
                          f"{b(base, L, 'nonoverlap')} and the best in one pass `{bo}` {b(bo, L, 'nonoverlap')}"))
         worse, refused = v['worse'], v['refused']
         if worse or refused:
-            rows.append(('not, beyond the training length', names(worse + refused),
+            rows.append((f'not, beyond the training length: worse than the best at {L // seq}×', names(worse + refused),
                          f"worse than the best at {L} by the rule (protocol b)" + (f"; {names(refused)} refuse{'s' * (len(refused) == 1)} longer inputs" if refused else '')))
         if v['unknown_long']:
             rows.append(('not known yet (fewer than 2 seeds)', names(v['unknown_long']), f"at {L} (protocol b)"))

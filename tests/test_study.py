@@ -111,7 +111,7 @@ def test_cli_stores_each_run_skips_stored_ones_and_loads_a_partial_store(tmp_pat
     assert 'stored main none seed 0' in listing
     (tmp_path / files[0]).unlink()                                    # a partial store loads and says what is missing
     R = StudyResults(S.load_results(tmp_path), {'main': [('alibi', 0), ('none', 0)]})
-    assert R.labels == ['none'] and R.missing() == [('alibi', 0)] and 'seed 0: `alibi`' in R.coverage()
+    assert R.labels == ['none'] and R.missing() == [('alibi', 0)] and 'missing: `alibi` (seed 0)' in R.coverage()
     assert R.table().count('\n') == 2 and R.seq == 16
     assert R.table().endswith('| – |') and R.ratio_text('none') == '–'   # no timing phase: no step time (never the quality runs' own)
 
@@ -163,7 +163,7 @@ def test_summaries_follow_the_numbers():
     assert '| the best quality at the length you train on | `fourier`, `alibi` |' in t and '`fourier` 1.991' in t
     assert 'sliding window) | `rotary+yarn+ft`, `alibi` | `rotary+yarn+ft` 1.861; `alibi` 1.841 at 1024' in t
     assert '| long texts read segment by segment | `alibi` with `mem_len` |' in t   # 1.871 < 1.901 (protocol a at 8x)
-    assert '| not, beyond the training length | `none`, `fourier`, `rotary`, `absolute` |' in t and 'mean over 3 seeds' in t
+    assert '| not, beyond the training length: worse than the best at 8× | `none`, `fourier`, `rotary`, `absolute` |' in t and 'mean over 3 seeds' in t
     assert '*Rule:*' in t and '4× the steps' not in t
     assert R.table().count('\n') == 1 + len(R.labels) and R.ranking('sliding')[0] == 'alibi'
 
@@ -232,9 +232,9 @@ def test_extend_position_tables_keeps_trained_lengths_and_clips_beyond():
 def _fire_L(model): return [float(l.self_attn.module.positions.init_L) for l in model.layers]
 
 def test_fire_threshold_follows_the_training_length():
+    assert _fire_L(DecoderLM(256, 16, 2, 2, position='fire', max_len=128)) == [32.0, 32.0]
     from relpos.models import FIRE_L_RATIO
     assert FIRE_L_RATIO * 2048 == 512                                       # the paper's L at its training length
-    assert _fire_L(DecoderLM(256, 16, 2, 2, position='fire', max_len=128)) == [32.0, 32.0]
     assert _fire_L(DecoderLM(256, 16, 2, 2, position='fire', max_len=128, mem_len=128)) == [64.0, 64.0]   # keys seen
     assert _fire_L(DecoderLM(256, 16, 2, 2, position='fire', max_len=128, init_L=512.0)) == [512.0, 512.0]  # explicit wins
     assert _fire_L(DecoderLM(256, 16, 2, 2, position='fire')) == [512.0, 512.0]                          # no length: the paper's
