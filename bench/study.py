@@ -541,16 +541,22 @@ def time_ratios(timing:dict, label:str, base:str='none') -> list:
     if label not in t or base not in t: return []
     return [a / b for a, b in zip(t[label], t[base])]
 
-def long_labels(results=None, top:int=3, also=('rotary', 't5', 'fire')) -> list:
-    """The runs of the `long` phase: the runs behind the `top` best labels of the main phase by protocol (b) at 8x
-    the training length, plus those of `also` not among them: `rotary` (for `rotary+yarn+ft`), and `t5` and `fire`,
-    the two learned-bias methods furthest behind at the training length after 300 steps, to see whether a longer
-    budget changes their place."""
+def long_labels(results=None) -> list:
+    """The runs of the `long` phase: every base method (each entry of `POSITIONS`, as the main phase trains it), plus,
+    for each method, the run behind its best label of the main phase by protocol (b) at 8x the training length when
+    that is another run (a memory row, FIRE's or T5's variant); a variant of rotary's evaluation (`rotary+yarn+ft`) is
+    in the `rotary` run. No selection by rank: the long phase compares every method."""
+    from relpos.models import POSITIONS
     R = results or StudyResults.load()
-    L = R.long
-    ranked = [l for l in R.ranking('sliding', L) if math.isfinite(R.mean(l, L, 'sliding'))]
-    runs = list(dict.fromkeys(run_label(l) for l in ranked[:top]))
-    return runs + [l for l in also if l not in runs]
+    spec, L = settings(), R.long
+    runs = [m for m in POSITIONS if m in spec]
+    for m in runs[:]:
+        family = [l for l in R.labels if spec.get(run_label(l), {}).get('method') == m and R.runs(l)
+                  and math.isfinite(R.mean(l, L, 'sliding'))]
+        if family:
+            best = run_label(min(family, key=lambda l: R.mean(l, L, 'sliding')))
+            if best not in runs: runs.append(best)
+    return runs
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reading the stored runs (the chapter and the docs home)
@@ -586,6 +592,7 @@ class StudyResults:
         runs = load_results(path)
         R = cls([r for r in runs if r['phase'] != 'timing'], {'main': [(r['label'], r['seed']) for r in all_runs('main')]})
         R.timing = load_cputime(path)
+        R.expected['long'] = [(r['label'], r['seed']) for r in all_runs('long', labels=long_labels(R))]
         return R
 
     def stored(self, phase='main') -> list: return sorted({(r['label'], r['seed']) for r in self.all if r['phase'] == phase})
