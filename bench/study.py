@@ -541,6 +541,18 @@ def time_ratios(timing:dict, label:str, base:str='none') -> list:
     if label not in t or base not in t: return []
     return [a / b for a, b in zip(t[label], t[base])]
 
+TIMING_TOL = 0.10   # chapter 09's ratio carries no spread (the fastest of 3 rounds, 2 decimals, another model size)
+
+def timing_disagreements(results, bench_rows:dict, tol:float=TIMING_TOL) -> dict:
+    """`{label: (ratio in chapter 09's benchmark, (median, lowest, highest) here)}` for the labels of `bench_rows`
+    (`{case: time ratio}` at the study's length) whose benchmark ratio lies outside the timing phase's range +- `tol`."""
+    out = {}
+    for l, r in bench_rows.items():
+        if l == 'none' or not results.timing or l not in results.timing['seconds']: continue
+        m, lo, hi = results.time_spread(l)
+        if not lo - tol <= r <= hi + tol: out[l] = (r, (m, lo, hi))
+    return out
+
 def long_labels(results=None) -> list:
     """The runs of the `long` phase: every base method (each entry of `POSITIONS`, as the main phase trains it), plus,
     for each method, the run behind its best label of the main phase by protocol (b) at 8x the training length when
@@ -691,7 +703,7 @@ class StudyResults:
 
     def table(self, protocol='sliding', phase='main') -> str:
         "Markdown: every label's bits per byte at 1x-8x the training length under `protocol`, with its seeds, parameters and step time."
-        head = ['label', 'seeds', 'parameters'] + [f'{L} ({L // self.seq}×)' for L in self.lengths] + ['step time vs `none`']
+        head = ['label', 'seeds', 'parameters'] + [f'{L} ({L // self.seq}×)' for L in self.lengths] + ['CPU time of a step vs `none`']
         rows = [[f'`{l}`', str(len(self.runs(l, phase))), self.params(l, phase)] + [self.fmt(l, L, protocol, phase) for L in self.lengths]
                 + [self.ratio_text(l)] for l in self.labels if self.runs(l, phase)]
         return '\n'.join(['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows])

@@ -14,6 +14,10 @@ V = 13
 def _lm(position='xl_paper', seed=0, **kw):
     torch.manual_seed(seed)
     kw = dict(dict(d_model=16, heads=2, n_layers=2, max_len=8, mem_len=8), **kw)
+    # FIRE's normaliser reads the query's position from the start of the keys once it is past the threshold L: a row
+    # restarted by doc_start keeps the batch's offset, so it equals a fresh call only while every position is below L
+    # (DecoderLM's default L is a quarter of max_len + mem_len, 4 here; these checks are about memories, not FIRE)
+    if position == 'fire': kw.setdefault('init_L', 512.0)
     lm = DecoderLM(V, position=position, **kw).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():   # perturb every parameter: zero-initialised tables and biases make checks vacuous
