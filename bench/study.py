@@ -614,6 +614,10 @@ class StudyResults:
 
     def coverage(self) -> str:
         "Which runs are stored, phase by phase, and which expected ones are missing, seed by seed (a sentence for the chapter)."
+        return '; '.join(self.coverage_lines()) + '.'
+
+    def coverage_lines(self) -> list:
+        "`coverage`, one phase (and the runs set aside) per item."
         out = []
         for p in PHASES:
             have, miss = self.stored(p), self.missing(p)
@@ -635,7 +639,7 @@ class StudyResults:
             old = sorted({(r['phase'], r['label']) for r in self.stale})
             out.append('set aside (stored with other position settings than the study uses now): '
                        + ', '.join(f"{p} `{l}` ({len([r for r in self.stale if (r['phase'], r['label']) == (p, l)])} runs)" for p, l in old))
-        return '; '.join(out) + '.'
+        return out
 
     def runs(self, label, phase='main') -> list:
         "Stored runs of `phase` that hold numbers for `label`, by seed."
@@ -796,7 +800,8 @@ class StudyResults:
             rows.append(('long texts read segment by segment',
                          f"`{base}` with `mem_len`" if gain else f"no memory: `{bo}` read in one pass",
                          f"best with memory `{bm}` {b(bm, L, 'nonoverlap')} at {L} (a), against `{base}` in one pass "
-                         f"{b(base, L, 'nonoverlap')} and the best in one pass `{bo}` {b(bo, L, 'nonoverlap')}"))
+                         f"{b(base, L, 'nonoverlap')} and the best in one pass `{bo}` {b(bo, L, 'nonoverlap')}"
+                         + ('' if math.isnan(self.time_ratio(bm)) else f"; `{bm}` at {self.time_ratio(bm):.2f}× the CPU time of `none`")))
         worse, refused = v['worse'], v['refused']
         if worse or refused:
             rows.append((f'not, beyond the training length: worse than the best at {L // seq}×', names(worse + refused),
@@ -806,9 +811,10 @@ class StudyResults:
         if any(r['phase'] == 'long' for r in self.all):
             j = self.judge(L, 'sliding', 'long')
             good = [l for l in self.ranking('sliding', L, 'long') if j.get(l, ('',))[0] in ('best', 'as good')]
+            k = len(self.runs(good[0], 'long'))
             rows.append(('(after 4× the steps)', names(good),
                          '; '.join(f"`{l}` {b(l, L, 'sliding', 'long')}" for l in good) + f' at {L} (b), among '
-                         f"{len(j)} labels retrained, {len(self.runs(good[0], 'long'))} seeds"))
+                         f"{len(j)} labels of the long phase, {k} seeds" + (f": with {k} seeds the rule does not tell these apart" if len(good) > 1 else '')))
         n = sorted({len(self.runs(l)) for l in self.labels})
         seeds = f"{n[0]} seed{'s' * (n[0] != 1)}" if len(n) == 1 else f"{n[0]}–{n[-1]} seeds"
         head = (f'| if you need | use | evidence (bits per byte, lower is better; mean over {seeds}; (a) every byte in '
