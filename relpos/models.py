@@ -850,6 +850,9 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
     # fails: a segment refused by a later kNN layer (NaN keys) leaves every kNN memory as it was.
     held = [(a, a.memory, None if a.memory is None else a.memory._counters()) for a in self.memorizing]
     for a in self.memorizing: a.pending = []
+    # FIRE's normaliser max(i, L) reads the query's position: a flagged row's document starts after the memory, at key m
+    fire = [f for f in self.modules() if isinstance(f, FireMultiHeadAttention)] if m and drop is not None and bool(drop.any()) else []
+    for f in fire: f.row_start = drop.long() * m
     try:
         for i, layer in enumerate(self.layers):
             mem = memory[i] if memory else None
@@ -865,6 +868,8 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
             a.pending = None
             if counters is not None and a.memory is memory_before: memory_before._restore_counters(counters)
         raise
+    finally:
+        for f in fire: f.row_start = None
     for a in self.memorizing:   # every layer accepted its segment: store them all (checked, so this cannot fail)
         writes, a.pending = a.pending, None
         for knn_memory, keys, values in writes: knn_memory.add(keys, values)

@@ -14,10 +14,8 @@ V = 13
 def _lm(position='xl_paper', seed=0, **kw):
     torch.manual_seed(seed)
     kw = dict(dict(d_model=16, heads=2, n_layers=2, max_len=8, mem_len=8), **kw)
-    # FIRE's normaliser reads the query's position from the start of the keys once it is past the threshold L: a row
-    # restarted by doc_start keeps the batch's offset, so it equals a fresh call only while every position is below L
-    # (DecoderLM's default L is a quarter of max_len + mem_len, 4 here; these checks are about memories, not FIRE)
-    if position == 'fire': kw.setdefault('init_L', 512.0)
+    # FIRE: DecoderLM's default threshold L is a quarter of max_len + mem_len, 4 here, below the positions a segment
+    # after the memory reaches (8..15): a restarted row must count its positions from its own document's start
     lm = DecoderLM(V, position=position, **kw).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():   # perturb every parameter: zero-initialised tables and biases make checks vacuous
@@ -46,6 +44,47 @@ def test_doc_start_drops_the_xl_memory_of_that_row_only(position, knn):
     assert not torch.allclose(got[1], want_kept[1], atol=1e-3)            # the memory did matter
     for a, b in zip(new_memory, want_mem):                                # the next memory is this segment's only
         torch.testing.assert_close(a[1:2], b)
+
+
+@pytest.mark.parametrize('position', [p for p in POSITIONS if p != 'absolute'])
+@pytest.mark.parametrize('knn', [False, True])
+def test_doc_start_row_equals_a_fresh_call_float64(position, knn):
+    """In float64 to 1e-10, after an XL memory: a restarted row gives a fresh call's logits and the other rows the
+    continued call's. FIRE's L (4) is below the queries' stream positions (8..15) but not below the row's own (0..7)."""
+    if knn and position not in KNN_LOCAL_POSITIONS: pytest.skip(f'{position} cannot be the local side of a kNN layer')
+    lm = _lm(position, **(dict(memorizing_layers=(1,), knn_capacity=32, top_k=4) if knn else {})).double()
+    if position == 'fire':
+        fires = [f for f in lm.modules() if type(f).__name__ == 'FireMultiHeadAttention']
+        assert len(fires) == 2 and all(f.positions.threshold.item() < 8 for f in fires)
+    g = torch.Generator().manual_seed(3)
+    first, x = torch.randint(0, V, (3, 8), generator=g), torch.randint(0, V, (3, 8), generator=g)
+    flags = torch.tensor([True, False, True])
+    with torch.no_grad():
+        _, memory = lm(first, doc_start=torch.ones(3, dtype=torch.bool))
+        kept, fresh = copy.deepcopy(lm), copy.deepcopy(lm)
+        got, _ = lm(x, memory, doc_start=flags)
+        want_kept, _ = kept(x, memory)
+        if knn: fresh.release_knn_memory()
+        want_new, _ = fresh(x[flags], doc_start=torch.ones(2, dtype=torch.bool))
+    assert (got[flags] - want_new).abs().max() <= 1e-10, position
+    assert (got[~flags] - want_kept[~flags]).abs().max() <= 1e-10, position
+
+
+@pytest.mark.parametrize('position', POSITIONS)
+def test_doc_start_with_the_kv_cache_equals_a_fresh_call_float64(position):
+    "The K/V cache: a row reset by doc_start counts its positions from 0 again; float64 to 1e-10 against a fresh call."
+    lm = _lm(position, mem_len=0, max_len=16).double()
+    g = torch.Generator().manual_seed(4)
+    first, x = torch.randint(0, V, (3, 8), generator=g), torch.randint(0, V, (3, 6), generator=g)
+    flags = torch.tensor([False, True, False])
+    with torch.no_grad():
+        cache = lm.new_cache(3, 16)
+        lm(first, cache=cache)
+        got = torch.cat([lm(x[:, :4], cache=cache, doc_start=flags)[0]] + [lm(x[:, t:t + 1], cache=cache)[0] for t in (4, 5)], 1)
+        want_new, _ = lm(x[1:2])
+        want_kept, _ = lm(torch.cat([first, x], 1))
+    assert (got[1:2] - want_new).abs().max() <= 1e-10, position
+    assert (got[[0, 2]] - want_kept[[0, 2], 8:]).abs().max() <= 1e-10, position
 
 
 def test_doc_start_every_row_drops_the_whole_memory_and_longer_memory_is_refused():
