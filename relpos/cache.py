@@ -602,7 +602,7 @@ def cache_prefill_ok(self:XPosMultiHeadAttention, step):
 def cache_attend(self:XPosMultiHeadAttention, q, k, v, step, layer):
     "Queries and cached keys arrive rotated; pair f of each is scaled around the row's newest position c, by $\\zeta_f^{(i-c)/\\gamma}$ and $\\zeta_f^{(c-j)/\\gamma}$, then SDPA."
     rd, d = self.rotary_dim, q.shape[-1]
-    key = ('xpos', rd, d, self.scale_base, self.interleaved, q.dtype)
+    key = ('xpos', rd, d, self.scale_base, self.interleaved, q.dtype, step.pattern)   # a sliding layer reads other keys
     if key not in step.memo:                        # the same scales for every layer of the step: computed once
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         c = step.q_pos.amax(1, keepdim=True)                                      # [b, 1]
