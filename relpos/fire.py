@@ -109,17 +109,28 @@ class FireMultiHeadAttention(MultiHeadAttention):
         super().__init__(heads, d_model, dropout_prob=dropout_prob, bias=bias, need_weights=need_weights)
         self.positions = FireBias(heads, mlp_width, init_c, init_L, eps)
 
+    # long `[batch]`, or None: the key at which each row's document starts, set by `DecoderLM` while some rows start a
+    # document after a memory; the normaliser max(i, L) then counts each row's query positions from there
+    row_start = None
+
     def position_bias(self, seq_len_q:int, seq_len_k:int) -> torch.Tensor:
-        "`[1, heads, seq_q, seq_k]`, added after the `1/sqrt(d_k)` scaling; the last query lines up with the last key."
+        "`[1, heads, seq_q, seq_k]` (`[batch, ...]` while `row_start` is set), added after the `1/sqrt(d_k)` scaling; the last query lines up with the last key."
         _check_key_length(seq_len_q, seq_len_k)
-        return self.positions(seq_len_q, seq_len_k)
+        if self.row_start is None: return self.positions(seq_len_q, seq_len_k)
+        fb, w = self.positions, self.positions.mlp[0].weight
+        pos = torch.arange(seq_len_k, device=w.device, dtype=w.dtype)
+        starts, row = torch.unique(self.row_start, return_inverse=True)   # one bias per distinct start
+        x = torch.stack([fire_normalized_distance(pos[seq_len_k - seq_len_q:] - s, pos - s, fb.c[0], fb.threshold, fb.eps)
+                         for s in starts.to(w.device, w.dtype)])
+        return fb.mlp(x[..., None]).permute(0, 3, 1, 2)[row.to(w.device)]   # [batch, heads, seq_q, seq_k]
 
 # %% ../nbs/08b_fire.ipynb #22b39d68
 @patch
 def attention_fast(self:FireMultiHeadAttention, query, key, value, mask):
     "CUDA: FlexAttention with `score_mod`; no mask or the causal one: `fire_attention` (bias by blocks of rows); any other mask: the base class's SDPA with the built bias."
     nq, nk = query.shape[0], key.shape[0]
-    if nk < nq: self.position_bias(nq, nk)   # raises
+    if nk < nq or self.row_start is not None:   # too few keys: raises; per-row starts: SDPA with the built bias
+        return super(FireMultiHeadAttention, self).attention_fast(query, key, value, mask)
     dropout_p = self.dropout.p if self.training else 0.0
     if _use_flex(query, dropout_p):           # CUDA: the formula inside FlexAttention's kernel (chapter 3b)
         return _flex_heads(query, key, value, self.score_mod(nq, nk), self.scale, mask)

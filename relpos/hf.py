@@ -262,10 +262,8 @@ def _llama_model(model, position=None, partial_rotary:bool=False, softcap:bool=F
     _check_config(not moe, f"moe_layers={moe} (mixture-of-experts feed-forward blocks)", model)
     mlp = lambda l: getattr(l, 'mlp', None) or l.feed_forward   # Llama 4: feed_forward
     (_, bq), _, _ = _qkv(a0, heads, kv, d_k)
+    # `bias` is the feed-forward block's (mlp_bias); the attention's own (attention_bias, Qwen2's q/k/v) where they differ
     out_bias, mlp_bias = a0.o_proj.bias is not None, _mlp(mlp(l0))[2][1] is not None
-    _check_config(out_bias == mlp_bias, f"attention_bias={getattr(cfg, 'attention_bias', out_bias)} and mlp_bias="
-                  f"{getattr(cfg, 'mlp_bias', mlp_bias)}: an output projection {'with' if out_bias else 'without'} a bias and a "
-                  f"feed-forward block {'with' if mlp_bias else 'without'} (DecoderLM's `bias` is both)", model)
     offset = _norm_offset(model.model.norm)   # Gemma: every RMSNorm scales by 1 + weight
     for l in layers:
         norm = _qk_module(l.self_attn)
@@ -288,10 +286,11 @@ def _llama_model(model, position=None, partial_rotary:bool=False, softcap:bool=F
     # LLaMA drops its attention weights only: no dropout on the embeddings, the residual branches or the MLP
     d_ff = _mlp(mlp(l0))[0][0].shape[0]   # Llama 4's dense blocks: intermediate_size_mlp
     kw = dict(d_model=cfg.hidden_size, heads=heads, n_layers=cfg.num_hidden_layers, d_ff=d_ff, dropout=0.0,
-              attention_dropout=float(cfg.attention_dropout), norm='rms', ffn=_ACTIVATIONS[act], bias=out_bias, head_bias=False,
+              attention_dropout=float(cfg.attention_dropout), norm='rms', ffn=_ACTIVATIONS[act], bias=mlp_bias, head_bias=False,
               norm_eps=float(cfg.rms_norm_eps), tie_embeddings=bool(cfg.tie_word_embeddings), kv_heads=kv, head_dim=d_k)
     if resid: kw.update(residual_dropout=resid, embedding_dropout=0.0)
-    if (bq is not None) != out_bias: kw['qkv_bias'] = bq is not None   # Qwen2: q/k/v biases only
+    if (bq is not None) != mlp_bias: kw['qkv_bias'] = bq is not None   # Qwen2: q/k/v biases only
+    if out_bias != mlp_bias: kw['output_bias'] = out_bias
     if qks[main] is not None: kw['qk_norm'] = qks[main]
     if temps[main] is not None: kw['query_temperature'] = temps[main]
     kw.update(pattern)
@@ -366,18 +365,18 @@ SWAP_POSITIONS = ('rotary', 'none', 'alibi', 't5', 'fire')   # `position=` a con
 # The config options each converter refuses by name, where DecoderLM cannot express their value: the chapter's table
 # reads this registry, and tests/test_hf_families.py has each of them refused
 CONFIG_REFUSALS = {
-    'LlamaForCausalLM': ('hidden_act', 'attention_bias', 'mlp_bias', 'partial_rotary_factor'),
+    'LlamaForCausalLM': ('hidden_act', 'partial_rotary_factor'),
     'GPTNeoXForCausalLM': ('hidden_act', 'attention_bias'),
     'MistralForCausalLM': ('hidden_act', 'partial_rotary_factor'),
     'Qwen2ForCausalLM': ('hidden_act', 'partial_rotary_factor'),
-    'Qwen3ForCausalLM': ('hidden_act', 'attention_bias', 'partial_rotary_factor'),
-    'Olmo2ForCausalLM': ('hidden_act', 'attention_bias', 'partial_rotary_factor'),
+    'Qwen3ForCausalLM': ('hidden_act', 'partial_rotary_factor'),
+    'Olmo2ForCausalLM': ('hidden_act', 'partial_rotary_factor'),
     'Phi3ForCausalLM': ('hidden_act',),
-    'GemmaForCausalLM': ('hidden_act', 'attention_bias', 'use_bidirectional_attention'),
-    'Gemma2ForCausalLM': ('hidden_activation', 'attention_bias', 'use_bidirectional_attention'),
-    'Gemma3ForCausalLM': ('hidden_activation', 'attention_bias', 'use_bidirectional_attention'),
-    'SmolLM3ForCausalLM': ('hidden_act', 'attention_bias', 'mlp_bias', 'partial_rotary_factor'),
-    'Llama4ForCausalLM': ('hidden_act', 'attention_bias', 'moe_layers'),
+    'GemmaForCausalLM': ('hidden_act', 'use_bidirectional_attention'),
+    'Gemma2ForCausalLM': ('hidden_activation', 'use_bidirectional_attention'),
+    'Gemma3ForCausalLM': ('hidden_activation', 'use_bidirectional_attention'),
+    'SmolLM3ForCausalLM': ('hidden_act', 'partial_rotary_factor'),
+    'Llama4ForCausalLM': ('hidden_act', 'moe_layers'),
 }
 
 # %% ../nbs/12_hf.ipynb #classic01
@@ -618,8 +617,13 @@ def _needs(checks) -> list:
     "`[(name, got, wanted)]` -> the mismatches, as `name=got (needs wanted)`."
     return [f"{name}={got!r} (needs {want!r})" for name, got, want in checks if got != want]
 
+def _attention_bias(lm:DecoderLM) -> tuple:
+    "Whether the query/key/value projections and the attention's output projection have biases (None: `bias`'s value)."
+    return tuple(lm.bias if b is None else b for b in (lm.qkv_bias, lm.output_bias))
+
 def _llama_problems(lm:DecoderLM, attn, ignore_dropout:bool) -> list:
-    checks = [('norm', lm.norm_kind, 'rms'), ('ffn', lm.ffn_kind, 'swiglu'), ('parallel_residual', lm.parallel_residual, False),
+    qkv, out = _attention_bias(lm)   # LLaMA's attention_bias is all four projections', apart from mlp_bias (`bias`)
+    checks = [('output_bias', out, qkv), ('norm', lm.norm_kind, 'rms'), ('ffn', lm.ffn_kind, 'swiglu'), ('parallel_residual', lm.parallel_residual, False),
               ('head_bias', lm.generator.bias is not None, False), ('rotary_dim', attn.rotary_dim, attn.d_k),
               ('interleaved', attn.interleaved, False)]
     if not ignore_dropout: checks += [('residual_dropout', lm.residual_dropout, 0.0), ('ffn_dropout', lm.ffn_dropout, 0.0)]
@@ -642,7 +646,7 @@ def _llama_target(lm:DecoderLM, attn, T):
     "LlamaForCausalLM: its config keywords and its state_dict from `lm`."
     cfg = dict(vocab_size=lm.n_vocab, hidden_size=lm.d_model, intermediate_size=lm.d_ff, num_hidden_layers=len(lm.layers),
                num_attention_heads=lm.heads, num_key_value_heads=attn.kv_heads, head_dim=attn.d_k, hidden_act='silu',
-               rms_norm_eps=lm.norm_eps, attention_bias=lm.bias, mlp_bias=lm.bias, attention_dropout=lm.attention_dropout,
+               rms_norm_eps=lm.norm_eps, attention_bias=_attention_bias(lm)[0], mlp_bias=lm.bias, attention_dropout=lm.attention_dropout,
                tie_word_embeddings=lm.tie_embeddings, **_rope_kwargs(attn, partial=False))
     sd = {'model.embed_tokens.weight': lm.src_embed.weight, 'model.norm.weight': lm.norm.weight,
           'lm_head.weight': lm.generator.weight}
@@ -854,13 +858,13 @@ def _falcon_target(lm:DecoderLM, attn, T):
 TO_TRANSFORMERS.update({'GPT2LMHeadModel': (_gpt2_problems, _gpt2_target), 'BloomForCausalLM': (_bloom_problems, _bloom_target),
                         'GPTJForCausalLM': (_gptj_problems, _gptj_target), 'FalconForCausalLM': (_falcon_problems, _falcon_target)})
 
-def _no_classic_switches(check):
-    "LLaMA's and GPT-NeoX's checks, plus the switches neither class has."
+def _no_classic_switches(check, output_bias:bool=False):
+    "LLaMA's and GPT-NeoX's checks, plus the switches neither class has (`output_bias`: the class checks it itself)."
     def problems(lm, attn, ignore_dropout):
-        return check(lm, attn, ignore_dropout) + _needs([
-            ('embedding_norm', lm.embedding_norm, False), ('shared_norm', lm.shared_norm, False),
-            ('output_bias', None if lm.output_bias == lm.bias else lm.output_bias, None)])
+        checks = [('embedding_norm', lm.embedding_norm, False), ('shared_norm', lm.shared_norm, False)]
+        if not output_bias: checks.append(('output_bias', None if lm.output_bias == lm.bias else lm.output_bias, None))
+        return check(lm, attn, ignore_dropout) + _needs(checks)
     return problems
-for _cls in ('LlamaForCausalLM', 'GPTNeoXForCausalLM'):
-    TO_TRANSFORMERS[_cls] = (_no_classic_switches(TO_TRANSFORMERS[_cls][0]), TO_TRANSFORMERS[_cls][1])
+for _cls in ('LlamaForCausalLM', 'GPTNeoXForCausalLM'):   # LLaMA: attention_bias apart from mlp_bias
+    TO_TRANSFORMERS[_cls] = (_no_classic_switches(TO_TRANSFORMERS[_cls][0], _cls == 'LlamaForCausalLM'), TO_TRANSFORMERS[_cls][1])
 

@@ -24,6 +24,8 @@ LONGROPE = {'rope_type': 'longrope', 'rope_theta': 1000.0, 'partial_rotary_facto
             'short_factor': [1.0 + 0.1 * i for i in range(2)], 'long_factor': [1.0 + 1.5 * i for i in range(2)]}
 CASES = {   # id: (family, config overrides)
     'llama': ('Llama', {}),
+    'llama_attention_bias': ('Llama', dict(attention_bias=True)),   # q/k/v/o biases, none in the MLP
+    'llama_mlp_bias': ('Llama', dict(mlp_bias=True)),               # MLP biases, none in the attention
     'mistral_window': ('Mistral', dict(sliding_window=5)),
     'mistral_head_dim': ('Mistral', dict(sliding_window=None, head_dim=12)),
     'qwen2': ('Qwen2', {}),
@@ -153,10 +155,11 @@ def test_architecture_read_from_the_modules():
 
 # ---------------------------------------------------------------- greedy tokens and cached decoding
 GEMMAS = ['gemma', 'gemma2', 'gemma3', 'gemma3_scaled_global']
+BIASES = ['llama_attention_bias', 'llama_mlp_bias']
 PATTERNS = ['qwen2_some_windows', 'smollm3', 'smollm3_windows', 'llama4', 'llama4_plain'] + GEMMAS
 
 
-@pytest.mark.parametrize("name", ['mistral_window', 'qwen2_window', 'qwen3', 'olmo2', 'phi3', 'phi3_longrope_window'] + PATTERNS)
+@pytest.mark.parametrize("name", ['mistral_window', 'qwen2_window', 'qwen3', 'olmo2', 'phi3', 'phi3_longrope_window'] + BIASES + PATTERNS)
 def test_greedy_tokens_equal_transformers_generate(name):
     model = case(name, scale=4.0)   # larger weights: peaked distributions, many different tokens
     if name in GEMMAS:   # embeddings times sqrt(d_model) would drown the post-normed branches: each row one token
@@ -172,7 +175,7 @@ def test_greedy_tokens_equal_transformers_generate(name):
 
 
 @pytest.mark.parametrize("name", ['mistral_window', 'qwen2_window', 'qwen3', 'qwen3_mqa_tied', 'olmo2', 'phi3',
-                                  'phi3_longrope_window'] + PATTERNS)
+                                  'phi3_longrope_window'] + BIASES + PATTERNS)
 def test_cached_decoding_equals_the_full_forward(name):
     model = case(name)
     lm = DecoderLM.from_transformers(model)
@@ -276,8 +279,6 @@ YARN_PARTIAL = {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embed
                 'partial_rotary_factor': 0.5}
 REFUSED = {   # (model class, config key): overrides that set it to a value DecoderLM cannot express
     ('Llama', 'hidden_act'): dict(hidden_act='gelu'),
-    ('Llama', 'attention_bias'): dict(attention_bias=True),
-    ('Llama', 'mlp_bias'): dict(mlp_bias=True),
     ('Llama', 'partial_rotary_factor'): dict(rope_parameters=dict(YARN_PARTIAL)),
     ('GPTNeoX', 'hidden_act'): dict(hidden_act='relu'),
     ('GPTNeoX', 'attention_bias'): dict(attention_bias=False),
@@ -286,27 +287,19 @@ REFUSED = {   # (model class, config key): overrides that set it to a value Deco
     ('Qwen2', 'hidden_act'): dict(hidden_act='gelu'),
     ('Qwen2', 'partial_rotary_factor'): dict(rope_parameters=dict(YARN_PARTIAL)),
     ('Qwen3', 'hidden_act'): dict(hidden_act='gelu'),
-    ('Qwen3', 'attention_bias'): dict(attention_bias=True),
     ('Qwen3', 'partial_rotary_factor'): dict(rope_parameters=dict(YARN_PARTIAL)),
     ('Olmo2', 'hidden_act'): dict(hidden_act='gelu'),
-    ('Olmo2', 'attention_bias'): dict(attention_bias=True),
     ('Olmo2', 'partial_rotary_factor'): dict(rope_parameters=dict(YARN_PARTIAL)),
     ('Phi3', 'hidden_act'): dict(hidden_act='gelu'),
     ('Gemma', 'hidden_act'): dict(hidden_act='relu'),
-    ('Gemma', 'attention_bias'): dict(attention_bias=True),
     ('Gemma', 'use_bidirectional_attention'): dict(use_bidirectional_attention=True),
     ('Gemma2', 'hidden_activation'): dict(hidden_activation='relu'),
-    ('Gemma2', 'attention_bias'): dict(attention_bias=True),
     ('Gemma2', 'use_bidirectional_attention'): dict(use_bidirectional_attention=True),
     ('Gemma3', 'hidden_activation'): dict(hidden_activation='relu'),
-    ('Gemma3', 'attention_bias'): dict(attention_bias=True),
     ('Gemma3', 'use_bidirectional_attention'): dict(use_bidirectional_attention=True),
     ('SmolLM3', 'hidden_act'): dict(hidden_act='gelu'),
-    ('SmolLM3', 'attention_bias'): dict(attention_bias=True),
-    ('SmolLM3', 'mlp_bias'): dict(mlp_bias=True),
     ('SmolLM3', 'partial_rotary_factor'): dict(rope_parameters=dict(YARN_PARTIAL)),
     ('Llama4', 'hidden_act'): dict(hidden_act='gelu', moe_layers=[]),
-    ('Llama4', 'attention_bias'): dict(attention_bias=True, moe_layers=[]),
     ('Llama4', 'moe_layers'): dict(moe_layers=[1], num_local_experts=2),
 }
 
@@ -512,6 +505,53 @@ def test_offset_norms_and_geglu_against_their_formulas():
     g = f.gate(x)
     gelu = 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g ** 3)))
     assert max_err(f(x), f.layer2(gelu * f.layer1(x))) <= 1e-14
+
+
+BIAS_FLAGS = {'llama_attention_bias': (True, False), 'llama_mlp_bias': (False, True)}   # (attention_bias, mlp_bias)
+
+
+@pytest.mark.parametrize("name", list(BIAS_FLAGS))
+def test_attention_bias_apart_from_mlp_bias(name):
+    "attention_bias is the four attention projections' biases, mlp_bias the MLP's: each read on its own, and back."
+    model = case(name)
+    attention, mlp = BIAS_FLAGS[name]
+    lm = DecoderLM.from_transformers(model)
+    a, f = lm.layers[0].self_attn.module, lm.layers[0].feed_forward
+    assert [p.bias is not None for p in (a.query.linear, a.key.linear, a.value.linear, a.output)] == [attention] * 4
+    assert [p.bias is not None for p in (f.gate, f.layer1, f.layer2)] == [mlp] * 3
+    assert sum(p.numel() for p in lm.parameters()) == sum(p.numel() for p in model.parameters())
+    back = DecoderLM(**lm.to_config()).double()   # the flags are saved with the model
+    back.load_state_dict(lm.state_dict())
+    x = tokens(2, 12)
+    with torch.no_grad(): assert torch.equal(back(x)[0], lm(x)[0])
+    with float32_as_float64(): hf = lm.to_transformers()
+    assert type(hf) is transformers.LlamaForCausalLM
+    assert (hf.config.attention_bias, hf.config.mlp_bias) == (attention, mlp)
+    sa, sb = model.state_dict(), hf.state_dict()
+    assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(ref_logits(hf, x), ref_logits(model, x))
+
+
+@pytest.mark.parametrize("family", ['Qwen3', 'Olmo2', 'Gemma', 'Gemma2', 'Gemma3', 'SmolLM3', 'Llama4'])
+def test_attention_bias_in_every_family(family):
+    "The relatives take attention_bias=True (their MLPs without biases) as LLaMA does; SmolLM3 takes mlp_bias=True too."
+    name = next(n for n, (f, _) in CASES.items() if f == family)
+    extra = [dict(mlp_bias=True)] if family == 'SmolLM3' else []
+    for over in [dict(attention_bias=True)] + extra:
+        model = case(name, **over)
+        lm = DecoderLM.from_transformers(model)
+        assert (lm.layers[0].self_attn.module.output.bias is not None) == bool(over.get('attention_bias'))
+        x = tokens(2, 20)
+        with torch.no_grad(): assert max_err(lm(x)[0], ref_logits(model, x)) <= TOL
+
+
+def test_to_transformers_refuses_an_attention_bias_llama_cannot_express():
+    "LLaMA's attention_bias sets all four projections' biases: q/k/v biases without the output's (Qwen2) are refused."
+    lm = DecoderLM(11, d_model=16, heads=2, n_layers=1, position='rotary', norm='rms', ffn='swiglu', bias=False,
+                   qkv_bias=True, head_bias=False)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM needs output_bias=False \(needs True\)"): lm.to_transformers()
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM needs output_bias=False \(needs True\)"):
+        DecoderLM.from_transformers(case('qwen2')).to_transformers()
 
 
 def test_to_transformers_refuses_what_llama_cannot_express():

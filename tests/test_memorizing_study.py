@@ -14,6 +14,8 @@ V = 13
 def _lm(position='xl_paper', seed=0, **kw):
     torch.manual_seed(seed)
     kw = dict(dict(d_model=16, heads=2, n_layers=2, max_len=8, mem_len=8), **kw)
+    # FIRE: DecoderLM's default threshold L is a quarter of max_len + mem_len, 4 here, below the positions a segment
+    # after the memory reaches (8..15): a restarted row must count its positions from its own document's start
     lm = DecoderLM(V, position=position, **kw).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():   # perturb every parameter: zero-initialised tables and biases make checks vacuous
@@ -42,6 +44,47 @@ def test_doc_start_drops_the_xl_memory_of_that_row_only(position, knn):
     assert not torch.allclose(got[1], want_kept[1], atol=1e-3)            # the memory did matter
     for a, b in zip(new_memory, want_mem):                                # the next memory is this segment's only
         torch.testing.assert_close(a[1:2], b)
+
+
+@pytest.mark.parametrize('position', [p for p in POSITIONS if p != 'absolute'])
+@pytest.mark.parametrize('knn', [False, True])
+def test_doc_start_row_equals_a_fresh_call_float64(position, knn):
+    """In float64 to 1e-10, after an XL memory: a restarted row gives a fresh call's logits and the other rows the
+    continued call's. FIRE's L (4) is below the queries' stream positions (8..15) but not below the row's own (0..7)."""
+    if knn and position not in KNN_LOCAL_POSITIONS: pytest.skip(f'{position} cannot be the local side of a kNN layer')
+    lm = _lm(position, **(dict(memorizing_layers=(1,), knn_capacity=32, top_k=4) if knn else {})).double()
+    if position == 'fire':
+        fires = [f for f in lm.modules() if type(f).__name__ == 'FireMultiHeadAttention']
+        assert len(fires) == 2 and all(f.positions.threshold.item() < 8 for f in fires)
+    g = torch.Generator().manual_seed(3)
+    first, x = torch.randint(0, V, (3, 8), generator=g), torch.randint(0, V, (3, 8), generator=g)
+    flags = torch.tensor([True, False, True])
+    with torch.no_grad():
+        _, memory = lm(first, doc_start=torch.ones(3, dtype=torch.bool))
+        kept, fresh = copy.deepcopy(lm), copy.deepcopy(lm)
+        got, _ = lm(x, memory, doc_start=flags)
+        want_kept, _ = kept(x, memory)
+        if knn: fresh.release_knn_memory()
+        want_new, _ = fresh(x[flags], doc_start=torch.ones(2, dtype=torch.bool))
+    assert (got[flags] - want_new).abs().max() <= 1e-10, position
+    assert (got[~flags] - want_kept[~flags]).abs().max() <= 1e-10, position
+
+
+@pytest.mark.parametrize('position', POSITIONS)
+def test_doc_start_with_the_kv_cache_equals_a_fresh_call_float64(position):
+    "The K/V cache: a row reset by doc_start counts its positions from 0 again; float64 to 1e-10 against a fresh call."
+    lm = _lm(position, mem_len=0, max_len=16).double()
+    g = torch.Generator().manual_seed(4)
+    first, x = torch.randint(0, V, (3, 8), generator=g), torch.randint(0, V, (3, 6), generator=g)
+    flags = torch.tensor([False, True, False])
+    with torch.no_grad():
+        cache = lm.new_cache(3, 16)
+        lm(first, cache=cache)
+        got = torch.cat([lm(x[:, :4], cache=cache, doc_start=flags)[0]] + [lm(x[:, t:t + 1], cache=cache)[0] for t in (4, 5)], 1)
+        want_new, _ = lm(x[1:2])
+        want_kept, _ = lm(torch.cat([first, x], 1))
+    assert (got[1:2] - want_new).abs().max() <= 1e-10, position
+    assert (got[[0, 2]] - want_kept[[0, 2], 8:]).abs().max() <= 1e-10, position
 
 
 def test_doc_start_every_row_drops_the_whole_memory_and_longer_memory_is_refused():
@@ -312,3 +355,52 @@ def test_initial_gates_are_rebuilt_from_the_run():
     assert S.initial_gate_local(r) == r['gate_local'] and len(r['gate_local'][0]) == 2
     R = S.MemStudyResults([dict(r, phase='long')], 'long')
     assert math.isclose(R.memory_weight('knn 4x', initial=True), R.memory_weight('knn 4x'))
+
+
+# ---------------------------------------------------------------- paired initialisation, paired differences with an interval
+def test_every_setting_of_a_seed_starts_from_the_same_shared_weights():
+    "Before pairing a kNN layer's draws moved the weights built after it; `pair_init` gives every shared parameter `none`'s."
+    size = dict(seq=16, d_model=16, heads=2, n_layers=4, position='xl_paper')
+    def built(label, paired=True):
+        torch.manual_seed(5)
+        m = S.build_model(**size, **S.settings('long')[label])
+        info = S.pair_init(m, 5, **size) if paired else None
+        return m, info
+    none = dict(built('none')[0].named_parameters())
+    unpaired = dict(built('knn 16x', paired=False)[0].named_parameters())
+    assert not torch.equal(unpaired['generator.weight'], none['generator.weight'])          # the audit's finding
+    for label in ('xl', 'knn 1x', 'knn 16x + xl', f'knn 16x layer {S.OTHER_LAYER}', 'knn 16x top-128'):
+        m, info = built(label)
+        own = set(info['own'])
+        assert own == {n for n, _ in m.named_parameters() if n.endswith(('.gate.bias', '.knn_log_scale'))}   # kNN's own only
+        for n, p in m.named_parameters():
+            if n not in own: assert torch.equal(p, none[n.replace('.module.local.', '.module.')]), (label, n)
+        assert info['tensors'] == len(none)
+
+def test_a_run_records_its_paired_initialisation():
+    tiny = dict(steps=1, batch=2, seq=16, d_model=16, heads=2, n_layers=2, position='xl_paper', lr=0.0, warmup=1,
+                eval_docs=1, eval_bytes=32, seed=1)
+    a = S.train_run(label='none', **tiny)
+    b = S.train_run(label='knn 4x', knn_mult=4, knn_layer=1, top_k=4, **tiny)
+    assert S.is_paired(a) and S.is_paired(b) and b['init']['paired_with'] == 'none'
+    assert not S.is_paired({'label': 'none', 'seed': 0})                                      # stored before pairing: rerun
+    assert S.SEEDS >= 4
+
+def test_paired_verdicts_follow_the_interval_rule():
+    late = {'none': (2.00, 2.10, 2.05, 2.20), 'knn 16x': (1.95, 2.06, 2.00, 2.14),      # -0.05, -0.04, -0.05, -0.06: better
+            'xl': (2.05, 2.05, 2.10, 2.15),                                              # +0.05, -0.05, +0.05, -0.05: no difference
+            'knn 4x': (2.10, 2.21, 2.14, 2.31)}                                          # +0.10, +0.11, +0.09, +0.11: worse
+    runs = [dict(_fake_run(l, s, v[s]), init={'paired_with': 'none'}) for l, v in late.items() for s in range(4)]
+    runs.append(dict(_fake_run('knn 64x', 0, 1.0), init={'paired_with': 'none'}))        # one seed: not known
+    R = S.MemStudyResults(runs)
+    d = [a - b for a, b in zip(late['knn 16x'], late['none'])]
+    m, half, n, paired = R.interval('knn 16x')
+    assert n == 4 and paired and math.isclose(m, sum(d) / 4, abs_tol=1e-9)
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / 3)
+    assert math.isclose(half, 3.182 * sd / 2, rel_tol=1e-9)                                 # t(0.975, 3) = 3.182
+    assert [R.paired_verdict(l) for l in ('knn 16x', 'xl', 'knn 4x', 'knn 64x')] == ['better', 'no difference', 'worse', 'not known']
+    assert R.paired_verdict('knn 1x') is None
+    assert '`knn 16x` − `none`: -0.050 ± ' in R.interval_text('knn 16x') and '(4 paired seeds)' in R.interval_text('knn 16x')
+    unpaired = S.MemStudyResults([{k: v for k, v in r.items() if k != 'init'} for r in runs])
+    assert not unpaired.interval('knn 16x')[3] and '(4 seeds)' in unpaired.interval_text('knn 16x')
+    assert '95% t-interval' in S.PAIRED_RULE
