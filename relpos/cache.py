@@ -7,12 +7,13 @@ __all__ = ['KVCache', 'CacheStep', 'supports_cache', 'full_logits']
 
 # %% ../nbs/09a_cache.ipynb #e0740206
 import copy, hashlib, math, weakref
+from functools import partial
 from typing import List, Optional, Tuple
 import torch
 from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
-from .mha import MultiHeadAttention, expand_kv
+from .mha import MultiHeadAttention, expand_kv, softcapped_attention, query_temperature
 from .relative_mha import RelativeMultiHeadAttention, XLRelativeMultiHeadAttention, sinusoid_positions
 from .rotary import RotaryMultiHeadAttention, apply_rotary
 from .alibi import ALiBiMultiHeadAttention, alibi_slopes
@@ -23,9 +24,9 @@ from .fire import FireMultiHeadAttention, fire_psi
 from .kerple import KerpleMultiHeadAttention
 from .xpos import XPosMultiHeadAttention, xpos_scale
 from .fox import ForgettingMultiHeadAttention, forget_sums, fox_operands
-from .models import DecoderLM, _check_int, _sample
+from .models import DecoderLM, _check_int, _sample, attention_pattern
 
-# %% ../nbs/09a_cache.ipynb #fef27a1b
+# %% ../nbs/09a_cache.ipynb #4cb63886
 def _check_cache_args(attentions:list, batch_size, max_cache_len, dtype):
     "Refuse what `KVCache` cannot hold: sizes, dtype, and layers without a cached path or whose tables are too short."
     for name, x, lo in (('batch_size', batch_size, 0), ('max_cache_len', max_cache_len, 1)):
@@ -66,6 +67,7 @@ class KVCache:
         self.valid = torch.zeros(b, L, dtype=torch.bool, device=self.device)      # the slot holds a token this row may attend
         self.times = torch.full((L,), -1, dtype=torch.long, device=self.device)  # which token of the stream a slot holds
         self.next_position = torch.zeros(b, dtype=torch.long, device=self.device) # position id of each row's next token
+        self.first_time = torch.full((b,), -1, dtype=torch.long, device=self.device) # stream time of each row's first token (-1: none yet): chunks start there
         self.seen = 0           # tokens written into the stream (every row advances together)
         self.all_valid = True   # no padding and no reset so far: the filled slots need no mask
         self.tables = [None] * len(attentions)   # per layer: what its position term needs that no parameter changes
@@ -97,12 +99,13 @@ def reset(self:KVCache, which:torch.Tensor): # bool `[batch]`: rows whose docume
     if not bool(which.any()): return
     self.valid.masked_fill_(which[:, None], False)
     self.next_position.masked_fill_(which, 0)
+    self.first_time.masked_fill_(which, -1)   # the new document's chunks start at its first token
     self.all_valid = False
 
 @patch
 def clear(self:KVCache):
     "Empty the cache (every row), keeping its buffers."
-    self.valid.zero_(); self.next_position.zero_(); self.times.fill_(-1)
+    self.valid.zero_(); self.next_position.zero_(); self.times.fill_(-1); self.first_time.fill_(-1)
     self.seen, self.all_valid = 0, True
     self.tables = [None] * self.n_layers
 
@@ -111,14 +114,14 @@ def clear(self:KVCache):
 def _state(self:KVCache) -> tuple:
     "What a call may change besides the key/value slots (each write keeps those it overwrites): put back if the call fails."
     return (self.positions.clone(), self.valid.clone(), self.times.clone(), self.next_position.clone(),
-            self.seen, self.all_valid, list(self.tables))
+            self.seen, self.all_valid, list(self.tables), self.first_time.clone())
 
 @patch
 def _restore(self:KVCache, state:tuple, # from `_state`, taken before the call
              undo:list):                # `(K, V, slots, k, v)` per write of the call: the slots' contents before it
     "Undo a failed call: the key/value slots it overwrote (newest first), then the position ids, validity, times and counters."
     for K, V, w, k, v in reversed(undo): _put(K, V, w, k, v)
-    positions, valid, times, self.next_position, self.seen, self.all_valid, self.tables = state
+    positions, valid, times, self.next_position, self.seen, self.all_valid, self.tables, self.first_time = state
     self.positions.copy_(positions); self.valid.copy_(valid); self.times.copy_(times)
 
 # %% ../nbs/09a_cache.ipynb #b7c1e0a4
@@ -164,6 +167,7 @@ class CacheStep:
         first = (seen + n - m) % L                  # their first slot
         self.write = slice(first, first + m) if first + m <= L else torch.arange(first, first + m, device=cache.device) % L
         self.m, self.memo, self.undo = m, {}, []     # undo: the key/value slots overwritten so far (`_write`)
+        self.pattern = (None, None)                  # (window, chunk) of the layer running: set by the model per layer
         if self.mode == 'decode': self._commit_slots()   # the new key is one of the keys it attends to
         self.length = min(seen + n, L) if self.mode == 'decode' else len(cache) + n   # keys attended (decode: filled slots)
 
@@ -178,12 +182,13 @@ class CacheStep:
         "After the layers: the shared state of prefill/extend steps, and the counters."
         c = self.cache
         if self.mode != 'decode': self._commit_slots()
+        c.first_time = self.first_times()
         c.seen += self.n
         if self.new_valid is not None: c.all_valid = False
         c.next_position = self.q_pos[:, -1] + 1 if self.new_valid is None else torch.where(
             self.new_valid.any(1), self.q_pos[:, -1] + 1, c.next_position)
 
-# %% ../nbs/09a_cache.ipynb #b43ed118
+# %% ../nbs/09a_cache.ipynb #7f0c5ab3
 @patch
 def tokens_contiguous(self:CacheStep) -> bool:
     "Whether no row has padding between two of its new tokens: then a token's position id is its index minus one offset per row."
@@ -196,16 +201,54 @@ def tokens_contiguous(self:CacheStep) -> bool:
 
 @patch
 def key_positions(self:CacheStep) -> torch.Tensor:
-    "Position id of every key the new tokens attend to, `[b, keys]` (extend: the cached ones, then the new ones)."
+    "Position id of every key the new tokens attend to, `[b, keys]` (extend: the cached ones, then the new ones; decode in a window narrower than the ring: its slots)."
     c = self.cache
-    if self.mode == 'decode': return c.positions[:, :self.length]
+    if self.mode == 'decode':
+        idx = self.key_index()
+        return c.positions[:, :self.length] if idx is None else c.positions[:, idx]
     return torch.cat([c.positions[:, :len(c)], self.q_pos], 1)
 
 @patch
+def key_index(self:CacheStep) -> Optional[torch.Tensor]:
+    "Decode in a layer whose window is narrower than the ring (Gemma's sliding layers): the slots of the window's tokens, oldest first, so that the step reads those alone; None: every filled slot."
+    w = self._narrower()[0]
+    if self.mode != 'decode' or w is None: return None
+    if ('slots', w) not in self.memo:
+        c = self.cache
+        k = min(c.seen + 1, w)                    # the new token's slot is written already
+        self.memo['slots', w] = torch.arange(c.seen + 1 - k, c.seen + 1, device=c.device) % c.max_cache_len
+    return self.memo['slots', w]
+
+@patch
+def first_times(self:CacheStep) -> torch.Tensor:
+    "`[b]`: each row's first token's stream time, these new tokens counted (a row with none yet: the step's first)."
+    c = self.cache
+    if 'first' not in self.memo:
+        if self.new_valid is None: new = torch.full_like(c.first_time, c.seen)
+        else: new = c.seen + torch.where(self.new_valid.any(1), self.new_valid.int().argmax(1), self.n)
+        self.memo['first'] = torch.where(c.first_time >= 0, c.first_time, new)
+    return self.memo['first']
+
+@patch
+def _near(self:CacheStep, t_q:torch.Tensor, t_k:torch.Tensor, w, ch) -> torch.Tensor:
+    "`attention_pattern` of stream times `t_q [n, 1]`, `t_k [1, keys]`; with chunks, per row `[b, n, keys]`, counted from its first token."
+    if ch is None: return attention_pattern(t_q, t_k, w, None)
+    f = self.first_times()[:, None, None]
+    return attention_pattern(t_q - f, t_k - f, w, ch)
+
+@patch
+def _narrower(self:CacheStep) -> tuple:
+    "The layer's (window, chunk) where they hide more than the ring does: a window shorter than it, any chunk."
+    w, ch = self.pattern
+    return (w if w is not None and w < self.cache.max_cache_len else None), ch
+
+@patch
 def mask(self:CacheStep) -> Optional[torch.Tensor]:
-    "Bool `[b|1, 1, n, keys]` (True: may attend) for decode/extend; None when every key may be attended."
-    if 'mask' in self.memo: return self.memo['mask']
+    "Bool `[b|1, 1, n, keys]` (True: may attend) for decode/extend, for the running layer's window and chunks; None when every key may be attended."
+    key = ('mask', self._narrower())
+    if key in self.memo: return self.memo[key]
     c, n = self.cache, self.n
+    w, ch = self._narrower()
     if self.mode == 'decode':
         if c.all_valid and self.new_valid is None: m = None
         elif self.new_valid is None: m = c.valid[:, None, None, :self.length]   # a view: the new slot is valid already
@@ -213,36 +256,45 @@ def mask(self:CacheStep) -> Optional[torch.Tensor]:
             m = c.valid[:, :self.length].clone()
             m[:, self.write] = True               # a query always sees itself, padding too: no fully masked row (NaN)
             m = m[:, None, None, :]
+        idx = self.key_index()
+        if idx is not None:                       # a window: its slots alone are read, all of them in it
+            m, w = (None if m is None else m.index_select(-1, idx)), None
+        if w is not None or ch is not None:       # this layer's chunk, by stream time
+            near = self._near(torch.tensor([[c.seen]], device=c.device), c.times[None, :self.length], w, ch)
+            near = near.reshape(-1, 1, 1, self.length)                        # [b|1, 1, 1, keys]
+            m = near if m is None else m & near
     else:   # extend: cached keys, then the new ones; causal and windowed by stream time
         L, f = c.max_cache_len, len(c)
         t_k = torch.cat([c.times[:f], torch.arange(c.seen, c.seen + n, device=c.device)])
         t_q = torch.arange(c.seen, c.seen + n, device=c.device)
         d = t_q[:, None] - t_k[None, :]
-        m = (d >= 0) & (d < L)                                                 # [n, keys]
+        m = (d < L) & self._near(t_q[:, None], t_k[None, :], w, ch)          # [n, keys] ([b, n, keys] with chunks)
         valid = c.valid[:, :f] if self.new_valid is None else c.valid[:, :f]
         new = torch.ones(c.batch_size, n, dtype=torch.bool, device=c.device) if self.new_valid is None else self.new_valid
-        m = (m[None] & torch.cat([valid, new], 1)[:, None, :]) | (d == 0)[None]  # [b, n, keys], a query sees itself
+        m = ((m if m.dim() == 3 else m[None]) & torch.cat([valid, new], 1)[:, None, :]) | (d == 0)[None]  # [b, n, keys], a query sees itself
         m = m[:, None]
-    self.memo['mask'] = m
+    self.memo[key] = m
     return m
 
 @patch
 def distance_index(self:CacheStep) -> torch.Tensor:
     "`[b, 1, n, keys]`: column `d + L - 1` of a `[.., L]` distance table for distance `d = key - query` position, clamped to the table."
-    if 'didx' not in self.memo:
+    key = ('didx', None if self.key_index() is None else self._narrower()[0])   # the keys a windowed layer reads
+    if key not in self.memo:
         L = self.cache.max_cache_len
         d = self.key_positions()[:, None, None, :] - self.q_pos[:, None, :, None]
-        self.memo['didx'] = d.clamp(-(L - 1), 0) + (L - 1)
-    return self.memo['didx']
+        self.memo[key] = d.clamp(-(L - 1), 0) + (L - 1)
+    return self.memo[key]
 
 @patch
 def prefill_mask(self:CacheStep) -> Optional[torch.Tensor]:
-    "Bool `[b|1, n, n]` for the prefill: causal, windowed to `max_cache_len`, padding keys masked; None: exactly causal."
+    "Bool `[b|1, n, n]` for the prefill: causal, windowed to `max_cache_len` and to the running layer's window and chunks, padding keys masked; None: exactly causal."
     n, L = self.n, self.cache.max_cache_len
-    if n <= L and self.new_valid is None: return None
+    w, ch = self._narrower()
+    if n <= L and self.new_valid is None and (w is None or n <= w) and (ch is None or n <= ch): return None
     i = torch.arange(n, device=self.cache.device)
-    m = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - L)
-    m = m[None]
+    m = self._near(i[:, None], i[None, :], L if w is None else min(w, L), ch)
+    if m.dim() == 2: m = m[None]
     if self.new_valid is not None: m = m & self.new_valid[:, None, :]
     return m
 
@@ -310,9 +362,13 @@ def cache_attend(self:MultiHeadAttention, q, k, v, step:CacheStep, layer:int) ->
     if bias is not None:
         bias = bias.to(q.dtype)
         mask = bias if mask is None else bias.masked_fill(~mask, float('-inf'))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                          dropout_p=self.dropout.p if self.training else 0.0,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return _sdpa(self, q, k, v, mask)
+
+def _sdpa(module:MultiHeadAttention, q, k, v, mask):
+    "SDPA at the module's scale and dropout, grouped-query heads included; the scores soft-capped where the module says so."
+    attend = F.scaled_dot_product_attention if module.softcap is None else partial(softcapped_attention, softcap=module.softcap)
+    return attend(q, k, v, attn_mask=mask, scale=module.scale, dropout_p=module.dropout.p if module.training else 0.0,
+                  enable_gqa=k.shape[1] != q.shape[1])
 
 # %% ../nbs/09a_cache.ipynb #b5d570fd
 @patch
@@ -322,6 +378,9 @@ def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]
     "One layer's attention for the new tokens: project only them, write their keys and values into the cache, attend."
     b, n, _ = x.shape
     q, k, v = self.cache_project(x, step)                        # [b, n, heads, d], [b, n, kv_heads, d] x 2
+    if self.query_temperature is not None:                        # Llama 4: by the queries' stream index
+        t = torch.arange(cache.seen, cache.seen + n, device=q.device)
+        q = q * query_temperature(t, *self.query_temperature, q.dtype)[:, None, None]
     K, V = cache.keys[layer], cache.values[layer]
     if step.mode == 'prefill' and self.cache_prefill_ok(step):
         out = self.cache_prefill(q, k, v, step.prefill_mask())    # [b, n, heads, d]
@@ -352,6 +411,8 @@ def _attended(K, V, k, v, step:CacheStep):
         # the new tokens go into the slots after the filled ones (decode: into the oldest one's, which is out of the
         # window): write them, and the keys are a view of the buffer -- no copy of the cache per step
         _write(K, V, k, v, step)
+        idx = step.key_index()                    # a window narrower than the ring: its slots alone (a copy of w keys)
+        if idx is not None: return K.index_select(2, idx), V.index_select(2, idx), True
         return K[:, :, :step.length], V[:, :, :step.length], True
     # a chunk that wraps the ring would overwrite keys its own first queries still see: the cached keys, then the new ones
     f = len(c)
@@ -401,9 +462,7 @@ def cache_exact_len(self:RotaryMultiHeadAttention) -> Optional[int]:
 @patch
 def cache_attend(self:RotaryMultiHeadAttention, q, k, v, step, layer):
     "Decode: plain SDPA (queries and cached keys are rotated)."
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask(), scale=self.scale,
-                                          dropout_p=self.dropout.p if self.training else 0.0,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return _sdpa(self, q, k, v, step.mask())
 
 # %% ../nbs/09a_cache.ipynb #756da015
 @patch
@@ -575,7 +634,7 @@ def cache_attend(self:RelationAwareMultiHeadAttention, q, k, v, step, layer):
     R = 2 * self.k + 1
     w_k = self.relative_position_k.position_embeddings.to(q.dtype)
     w_v = self.relative_position_v.position_embeddings.to(q.dtype)
-    key = ('shaw_bucket', self.k)
+    key = ('shaw_bucket', self.k, step.key_index() is not None and step._narrower()[0])
     if key not in step.memo:                                                          # shared by the layers with the same clip
         L = step.cache.max_cache_len
         step.memo[key] = (step.distance_index() - (L - 1)).clamp(-self.k, self.k) + self.k   # [b, 1, n, keys]
@@ -606,14 +665,15 @@ def cached_attention(self:RelationAwareMultiHeadAttention, x, cache, layer, step
 # %% ../nbs/09a_cache.ipynb #e98cb10d
 @patch
 def new_cache(self:DecoderLM, batch_size:int,  # rows decoded side by side
-              max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included (at most the model's `sliding_window`)
+              max_cache_len:int,              # tokens each row keeps: a new token attends to at most this many, itself included (at most what the model's windows and chunks reach)
              ) -> KVCache:                    # empty, in the parameters' dtype and on their device
     "An empty `KVCache` for this model: `forward(tokens, cache=cache)` fills it and decodes from it."
     if self.memorizing_layers:
         raise ValueError(f"new_cache: the kNN layers {self.memorizing_layers} have no cached path; generate(use_cache=False) "
                          f"keeps every layer's hidden states instead")
-    if self.sliding_window is not None and isinstance(max_cache_len, int) and not isinstance(max_cache_len, bool):
-        max_cache_len = min(max_cache_len, self.sliding_window)   # the model's window: older tokens are never attended
+    reach = self.attention_reach   # every layer windowed or chunked: older tokens are never attended
+    if reach is not None and isinstance(max_cache_len, int) and not isinstance(max_cache_len, bool):
+        max_cache_len = min(max_cache_len, reach)
     w = self.src_embed.weight
     return KVCache([layer.self_attn.module for layer in self.layers], batch_size, max_cache_len,
                    dtype=w.dtype, device=w.device, owner=self)
@@ -635,9 +695,13 @@ def _check_cache(self:DecoderLM, cache, batch:int):
                          "model's new_cache(batch_size, max_cache_len)")
     if owner is not self and not adopt:
         raise ValueError("cache was made for another model: make one with this model's new_cache(batch_size, max_cache_len)")
-    if self.sliding_window is not None and cache.max_cache_len > self.sliding_window:
-        raise ValueError(f"cache keeps max_cache_len={cache.max_cache_len} tokens but the model attends to sliding_window="
-                         f"{self.sliding_window}: make the cache with new_cache(batch_size, max_cache_len), which keeps the window")
+    reach = self.attention_reach
+    if reach is not None and cache.max_cache_len > reach:
+        what = (f"sliding_window={self.sliding_window}" if self.sliding_window is not None else "") + (
+            f"{', ' if self.sliding_window is not None else ''}attention_chunk_size={self.attention_chunk_size}"
+            if self.attention_chunk_size is not None else "")
+        raise ValueError(f"cache keeps max_cache_len={cache.max_cache_len} tokens but the model's layers attend to at most "
+                         f"{reach} ({what}): make the cache with new_cache(batch_size, max_cache_len), which keeps the window")
     if cache.batch_size != batch:
         raise ValueError(f"tokens have batch {batch} but the cache holds {cache.batch_size} rows: make a cache with "
                          f"new_cache({batch}, max_cache_len)")
@@ -694,14 +758,15 @@ def _cached_run(self:DecoderLM, tokens, cache:KVCache, q_pos, valid, last_only:b
     try:
         if doc_start is not None: cache.reset(doc_start)
         step = CacheStep(cache, tokens.shape[1], q_pos, valid)
-        x = self.src_embed(tokens)
+        x = self._embed(tokens)
         if self.pos_embed is not None: x = x + self.pos_embed(q_pos)
         x = self.drop(x)
-        for i, layer in enumerate(self.layers):
+        for i, (layer, pattern) in enumerate(zip(self.layers, self.layer_patterns)):
+            step.pattern = pattern   # the masks this layer's window and chunks give (`CacheStep.mask`)
             # the layer's own residual arithmetic (post-norms, parallel residual) around the cached attention
             x = layer.add_branches(x, layer.self_attn.module.cached_attention(layer.norm_self_attn(x), cache, i, step))
         if last_only: x = x[:, -1:]
-        logits = self.generator(self.norm(x))
+        logits = self._logits(x)
         step.commit()
     except BaseException:   # a layer, a hook, out of memory, Ctrl-C: no half-written step stays in the cache
         cache._restore(state, [] if step is None else step.undo)
@@ -725,7 +790,7 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
                              f"{tuple(doc_start.shape) if isinstance(doc_start, torch.Tensor) else type(doc_start).__name__}")
         if doc_start.device != cache.device:
             raise ValueError(f"doc_start is on {doc_start.device} but the model's parameters are on {cache.device}")
-    if n == 0: return self.generator(self.norm(self.src_embed(tokens)))
+    if n == 0: return self._logits(self._embed(tokens))
     if cache.seen == 0 and self.pos_embed is None:   # a prefill attends over the prompt in one pass: its tables must cover it
         self._check_length(n, 'tokens seq_len (a prompt is attended in one pass)')
     q_pos, valid = self._cache_positions(cache, n, attention_mask, position_ids, doc_start)   # a refused call changes nothing
@@ -734,29 +799,32 @@ def forward_cached(self:DecoderLM, tokens:torch.Tensor,  # token ids `[batch, n]
 # %% ../nbs/09a_cache.ipynb #4cc228e2
 def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
                 attention_mask:Optional[torch.Tensor]=None,    # `[batch, n]`, 0: padding (never attended; positions count only tokens)
-                max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i (and the model's `sliding_window`)
+                max_cache_len:Optional[int]=None,              # sliding window: query i attends keys i - max_cache_len < j <= i (and each layer's own window or chunk)
                ) -> torch.Tensor:                              # logits `[batch, n, n_vocab]` (NaN at padding)
     "The model over the whole sequence in one pass with the causal, padding and window masks: what cached decoding equals."
-    window = model.sliding_window   # the model's own window, and the cache's if narrower
-    if max_cache_len is None or (window is not None and window < max_cache_len): max_cache_len = window
     n = tokens.shape[1]
     i = torch.arange(n, device=tokens.device)
-    mask = i[None, :] <= i[:, None]                # [n, n], one mask for all rows: the layers' causal fast paths
-    if max_cache_len is not None: mask = mask & (i[None, :] > i[:, None] - max_cache_len)
+    place = i                                      # each token's place in its row (after its left padding): what windows and chunks count
     if attention_mask is not None:
         # each row's tokens first, in order: a token's index is then its position id, for every method; the masks keep
         # the tokens' places in the row (the window counts padding, as the ring's slots do)
         valid = attention_mask != 0
         order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)   # [b, n]: the place in the row of each token
-        mask = (i[None, :] <= i[:, None]) & valid.gather(1, order)[:, None, :]
-        if max_cache_len is not None: mask = mask & (order[:, None, :] > order[:, :, None] - max_cache_len)
-        mask = mask | torch.eye(n, dtype=torch.bool, device=tokens.device)    # a padding query (moved last) sees itself
+        place = order - (valid.cumsum(1) == 0).sum(1, keepdim=True)   # chunks start at the row's first token
         tokens = tokens.gather(1, order)
-    x = model.src_embed(tokens)
+    def layer_mask(window, chunk):
+        # the layer's own window (the cache's if narrower) and chunks; one mask for all rows without padding
+        if max_cache_len is not None: window = max_cache_len if window is None else min(window, max_cache_len)
+        near = attention_pattern(place[..., :, None], place[..., None, :], window, chunk)
+        if attention_mask is None: return near
+        mask = (i[None, :] <= i[:, None]) & valid.gather(1, order)[:, None, :] & near
+        return mask | torch.eye(n, dtype=torch.bool, device=tokens.device)    # a padding query (moved last) sees itself
+    masks = {p: layer_mask(*p) for p in set(model.layer_patterns)}
+    x = model._embed(tokens)
     if model.pos_embed is not None: x = x + model.pos_embed(i)
     x = model.drop(x)
-    for layer in model.layers: x = layer(x, None, mask)
-    logits = model.generator(model.norm(x))
+    for layer, p in zip(model.layers, model.layer_patterns): x = layer(x, None, masks[p])
+    logits = model._logits(x)
     if attention_mask is None: return logits
     out = torch.empty_like(logits).scatter_(1, order[..., None].expand_as(logits), logits)   # back to their places
     return out.masked_fill(~valid[..., None], float('nan'))
@@ -783,7 +851,7 @@ def _generate_cached(self:DecoderLM, prompt, max_new_tokens:int, temperature, to
             logits = self._cached_run(nxt, cache, cache.next_position[:, None], None)[:, -1]
     return out
 
-# %% ../nbs/09a_cache.ipynb #9df8e83e
+# %% ../nbs/09a_cache.ipynb #32e3dc61
 @patch
 def cache_prefill(self:MultiHeadAttention, q, k, v, mask:Optional[torch.Tensor]) -> torch.Tensor:
     "Prefill: the layer's own fast path over the prompt (`[b, n, h, d]` in and out); `mask` bool `[b|1, n, n]`, None: causal."
@@ -799,7 +867,7 @@ def cache_prefill_ok(self:MultiHeadAttention, step:CacheStep) -> bool:
     "Whether the prefill may take the layer's fast path, which places tokens by index: here always (no position term); each position method says when."
     return True
 
-# %% ../nbs/09a_cache.ipynb #b0cd07e5
+# %% ../nbs/09a_cache.ipynb #0d750f55
 @patch
 def cache_prefill(self:RotaryMultiHeadAttention, q, k, v, mask):
     "Prefill: queries and keys are rotated already: the base class's `sdpa` (`is_causal` for the causal mask)."
@@ -808,7 +876,7 @@ def cache_prefill(self:RotaryMultiHeadAttention, q, k, v, mask):
     ql, kl, vl = (t.transpose(0, 1) for t in (q, k, v))
     return self.sdpa(ql, kl, vl, mask.permute(1, 2, 0)[..., None]).transpose(0, 1)
 
-# %% ../nbs/09a_cache.ipynb #11d7c6fe
+# %% ../nbs/09a_cache.ipynb #279c117f
 @patch
 def cache_prefill_ok(self:ALiBiMultiHeadAttention, step):
     "The fast path places tokens by index: right unless a row has padding between two of its tokens."
@@ -817,7 +885,7 @@ def cache_prefill_ok(self:ALiBiMultiHeadAttention, step):
 # the same rule for the other two (a tuple annotation would give nbdev no single class to document it on)
 T5MultiHeadAttention.cache_prefill_ok = FourierMultiHeadAttention.cache_prefill_ok = ALiBiMultiHeadAttention.cache_prefill_ok
 
-# %% ../nbs/09a_cache.ipynb #16212e00
+# %% ../nbs/09a_cache.ipynb #86a1f980
 @patch
 def cache_prefill(self:RelativeMultiHeadAttention, q, k, v, mask):
     "Prefill: the blockwise fast path (`relative_attention`) over the prompt, which must fit the tables (`P`)."
@@ -828,31 +896,31 @@ def cache_prefill(self:RelativeMultiHeadAttention, q, k, v, mask):
 XLRelativeMultiHeadAttention.cache_prefill = RelativeMultiHeadAttention.cache_prefill
 RelativeMultiHeadAttention.cache_prefill_ok = XLRelativeMultiHeadAttention.cache_prefill_ok = ALiBiMultiHeadAttention.cache_prefill_ok
 
-# %% ../nbs/09a_cache.ipynb #7627f29d
+# %% ../nbs/09a_cache.ipynb #5029e462
 @patch
 def cache_prefill_ok(self:FireMultiHeadAttention, step):
     "The fast path places query i at index i: right for a prompt without padding (ids = indices), not for a left-padded one."
     return step.new_valid is None
 
-# %% ../nbs/09a_cache.ipynb #a667c6a8
+# %% ../nbs/09a_cache.ipynb #8c890e05
 @patch
 def cache_prefill_ok(self:KerpleMultiHeadAttention, step):
     "The fast path places tokens by index: right unless a row has padding between two of its tokens."
     return step.tokens_contiguous()
 
-# %% ../nbs/09a_cache.ipynb #dda918cf
+# %% ../nbs/09a_cache.ipynb #815ec628
 @patch
 def cache_prefill_ok(self:XPosMultiHeadAttention, step):
     "Never: the scales are taken in `cache_attend`, from the position ids, for the prompt too."
     return False
 
-# %% ../nbs/09a_cache.ipynb #8f39c717
+# %% ../nbs/09a_cache.ipynb #1b784531
 @patch
 def cache_prefill_ok(self:ForgettingMultiHeadAttention, step):
     "Never: the prompt goes through `cache_attend` too, on the operands `cache_project` made."
     return False
 
-# %% ../nbs/09a_cache.ipynb #b16412b0
+# %% ../nbs/09a_cache.ipynb #59f93b01
 @patch
 def cache_prefill_ok(self:RelationAwareMultiHeadAttention, step):
     "The fast path places tokens by index: right unless a row has padding between two of its tokens."

@@ -328,7 +328,8 @@ def test_inline_math_has_no_big_delimiters():
 # to attention, equality with its reference, a published number, how to use it with its cost, and only then a last
 # section "Making it fast". The chapters listed here are in that shape; the others join the list as they are rewritten.
 
-LESSONS = [ROOT/'nbs'/n for n in ('06_rotary.ipynb', '06b_xpos.ipynb', '07_alibi.ipynb', '08_t5.ipynb', '08b_fire.ipynb',
+LESSONS = [ROOT/'nbs'/n for n in ('00_shift.ipynb', '01_mha.ipynb', '02_relative_mha.ipynb', '03_shaw.ipynb', '03b_bias.ipynb',
+                                     '06_rotary.ipynb', '06b_xpos.ipynb', '07_alibi.ipynb', '08_t5.ipynb', '08b_fire.ipynb',
                                      '08c_kerple.ipynb', '08d_fox.ipynb', '09a_cache.ipynb', '10_memorizing.ipynb')]
 FAST_HEADING = 'Making it fast'
 MAX_PARAGRAPH_WORDS = 100
