@@ -56,13 +56,13 @@ bench: env
 
 # The chapter "Which method?": train every position method and its variants (bench/study.py), each run stored as soon as
 # it finishes in nbs/data/study/<phase>__<label>__seed<k>.json (resumable: rerun to continue), then execute the chapter
-# and the docs home, whose tables and pictures are read from the stored runs. PHASE=main (60 runs, about an hour
+# and the docs home (and the guide that quotes it), whose tables and pictures are read from the stored runs. PHASE=main (60 runs, about an hour
 # and a half on 2 cores), PHASE=long (4x the steps for the best methods of main), PHASE=timing (step times: a quiet machine).
 STUDY_NB := nbs/11_which_method.ipynb
 PHASE ?= main
 study: env
 	OMP_NUM_THREADS=1 $(BIN)/python -m bench.study --phase $(PHASE)
-	$(BIN)/python tools/execute_nb.py $(STUDY_NB) nbs/index.ipynb && $(BIN)/nbdev_clean --fname $(STUDY_NB) && $(BIN)/nbdev_clean --fname nbs/index.ipynb
+	$(BIN)/python tools/execute_nb.py $(STUDY_NB) nbs/index.ipynb nbs/g3_which_method.ipynb && $(BIN)/nbdev_clean --fname $(STUDY_NB) && $(BIN)/nbdev_clean --fname nbs/index.ipynb && $(BIN)/nbdev_clean --fname nbs/g3_which_method.ipynb
 
 # The Memorizing Transformer on long documents (bench/memorizing_study.py): every (phase, setting, seed) not yet stored
 # in nbs/data/memorizing_study/ (resumable: rerun to continue), then the chapter that reports it. Two budgets: 'short'

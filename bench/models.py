@@ -41,13 +41,22 @@ for _p in LAYER_CASES:
     globals()[f"make_train_{_p}"] = _factory(make_layer, _p)
     globals()[f"make_infer_{_p}"] = _factory(make_layer, _p, inference=True)
 
-def main(sizes=(128, 512), reps=3, layer_n=2048):
+def main(sizes=(128, 512), reps=3, layer_n=2048,
+         clock='wall',   # 'cpu': CPU time of the process, which other jobs on a shared machine distort least
+         threads=None):  # torch threads for the run (None: torch's default)
+    "The three tables of chapter 09; with `clock='cpu', threads=1` every case is timed in CPU time on one thread."
+    before = torch.get_num_threads()
+    if threads is not None: torch.set_num_threads(threads)
+    try: return _tables(sizes, reps, layer_n, clock)
+    finally: torch.set_num_threads(before)
+
+def _tables(sizes, reps, layer_n, clock):
     from relpos.bench import bench_table
     return '\n\n'.join([
         bench_table({p: f"bench.models:make_{p}" for p in POSITIONS}, [dict(n=n) for n in sizes], baseline='none',
-                    reps=reps, title='DecoderLM training step: batch 4, d_model 256, 4 heads, 4 layers, vocabulary 256'),
+                    reps=reps, clock=clock, title='DecoderLM training step: batch 4, d_model 256, 4 heads, 4 layers, vocabulary 256'),
         bench_table({p: f"bench.models:make_train_{p}" for p in LAYER_CASES}, [dict(n=layer_n)], baseline='sdpa_causal',
-                    reps=reps, title='One attention layer per method, causal, forward+backward: batch 4, 8 heads, d_model 512'),
+                    reps=reps, clock=clock, title='One attention layer per method, causal, forward+backward: batch 4, 8 heads, d_model 512'),
         bench_table({p: f"bench.models:make_infer_{p}" for p in LAYER_CASES}, [dict(n=layer_n)], baseline='sdpa_causal',
-                    reps=reps, backward=False,
+                    reps=reps, clock=clock, backward=False,
                     title='One attention layer per method, causal, inference (forward under torch.inference_mode): batch 4, 8 heads, d_model 512')])

@@ -6,8 +6,8 @@
 __all__ = ['POSITION_BUILDERS', 'POSITIONS', 'NORMS', 'FFNS', 'QK_NORMS', 'GQA_POSITIONS', 'BIAS_POSITIONS', 'SOFTCAP_POSITIONS',
            'LAYER_TYPES', 'KNN_LOCAL_POSITIONS', 'HF_FORWARD_KEYWORDS', 'attention_pattern', 'causal_mask',
            'BatchFirstAttention', 'SequenceFirstAttention', 'ShawAttention', 'LabmlPosition', 'SwiGLUFeedForward',
-           'GeGLUFeedForward', 'OffsetRMSNorm', 'OffsetLayerNorm', 'make_norm', 'make_ffn', 'DecoderLayer',
-           'NormedHeads', 'normalise_heads', 'DecoderLM', 'CausalLMOutput', 'causal_lm_loss',
+           'GeGLUFeedForward', 'BloomGELU', 'OffsetRMSNorm', 'OffsetLayerNorm', 'make_norm', 'make_ffn', 'DecoderLayer',
+           'NormedEmbedding', 'NormedHeads', 'normalise_heads', 'DecoderLM', 'CausalLMOutput', 'causal_lm_loss',
            'RepetitionPenaltyProcessor', 'TemperatureProcessor', 'TopKProcessor', 'TopPProcessor',
            'labml_xl_state_dict']
 
@@ -165,8 +165,12 @@ class GeGLUFeedForward(SwiGLUFeedForward):
     "Gemma's gated block: `layer2(gelu_tanh(gate(x)) * layer1(x))`, GELU's tanh approximation (transformers' `gelu_pytorch_tanh`)."
     def act(self, x): return F.gelu(x, approximate='tanh')
 
+class BloomGELU(nn.Module):
+    "BLOOM's GELU: the tanh approximation with Megatron's rounded constant 0.79788456 for sqrt(2/pi), not quite `gelu_tanh`."
+    def forward(self, x): return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
 NORMS = ('layer', 'rms')            # `DecoderLM(norm=)`: LayerNorm (labml, GPT-NeoX) or RMSNorm (LLaMA)
-FFNS = ('relu', 'gelu', 'swiglu', 'geglu')   # `DecoderLM(ffn=)`: labml's ReLU block, GELU (GPT-NeoX), gated SiLU (LLaMA), gated tanh-GELU (Gemma)
+FFNS = ('relu', 'gelu', 'swiglu', 'geglu', 'gelu_tanh', 'bloom_gelu')   # `DecoderLM(ffn=)`: labml's ReLU block, GELU (GPT-NeoX), gated SiLU (LLaMA), gated tanh-GELU (Gemma), GELU's tanh approximation (GPT-2, GPT-J), BLOOM's
 
 class OffsetRMSNorm(nn.RMSNorm):
     "RMSNorm whose scale is `offset + weight` (Gemma: `1 + w`, the weight starting at 0, so that weight decay pulls the scale to 1)."
@@ -203,7 +207,7 @@ def make_ffn(ffn:str, d_model:int, d_ff:int, dropout:float, bias:bool=True) -> n
     "The feed-forward block `ffn` names (`FFNS`); `bias=False`: no biases."
     if ffn not in FFNS: raise ValueError(f"ffn must be one of {FFNS}, got {ffn!r}")
     if ffn in ('swiglu', 'geglu'): return (SwiGLUFeedForward if ffn == 'swiglu' else GeGLUFeedForward)(d_model, d_ff, dropout, bias)
-    block = FeedForward(d_model, d_ff, dropout, activation=nn.GELU() if ffn == 'gelu' else None)
+    block = FeedForward(d_model, d_ff, dropout, activation={'gelu': nn.GELU(), 'gelu_tanh': nn.GELU(approximate='tanh'), 'bloom_gelu': BloomGELU()}.get(ffn))
     if not bias:
         for lin in (block.layer1, block.layer2): lin.register_parameter('bias', None)
     return block
@@ -215,13 +219,14 @@ class DecoderLayer(nn.Module):
                  *,
                  ffn_dropout:Optional[float]=None, # on the feed-forward block's hidden features; None: `dropout`
                  norm:str='layer',               # 'layer' or 'rms'
-                 ffn:str='relu',                 # 'relu', 'gelu', 'swiglu' or 'geglu'
+                 ffn:str='relu',                 # one of `FFNS`
                  bias:bool=True,                 # biases in the feed-forward block
                  norm_eps:float=1e-5,            # the norms' epsilon
                  parallel_residual:bool=False,   # GPT-NeoX / GPT-J: x + attn(norm1(x)) + ff(norm2(x))
                  pre_norm:bool=True,             # normalise each branch's input (False: `norm_self_attn`, `norm_ff` are identities)
                  post_norm:bool=False,           # normalise each branch's output before it joins `x` (OLMo 2; Gemma 2 with pre_norm too)
-                 norm_offset:float=0.0):         # the norms scale by `norm_offset + weight` (Gemma: 1)
+                 norm_offset:float=0.0,          # the norms scale by `norm_offset + weight` (Gemma: 1)
+                 shared_norm:bool=False):        # with `parallel_residual`: both branches read `norm_self_attn(x)` (GPT-J, Falcon); no `norm_ff`
         super().__init__()
         self.self_attn, self.parallel_residual = self_attn, parallel_residual
         self.feed_forward = make_ffn(ffn, d_model, d_ff, dropout if ffn_dropout is None else ffn_dropout, bias)
@@ -229,6 +234,7 @@ class DecoderLayer(nn.Module):
         self.norm_self_attn, self.norm_ff = (new_norm(), new_norm()) if pre_norm else (nn.Identity(), nn.Identity())
         if post_norm: self.post_norm_self_attn, self.post_norm_ff = new_norm(), new_norm()
         else: self.post_norm_self_attn = self.post_norm_ff = None
+        if shared_norm: self.norm_ff = None     # the feed-forward block reads the attention's norm
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x:torch.Tensor,          # `[batch, n, d_model]`
@@ -247,12 +253,22 @@ class DecoderLayer(nn.Module):
         "Add `a` to the residual stream, then the feed-forward block's output (both from `x`: `parallel_residual`); the cached path shares it."
         post_a, post_f = self.post_norm_self_attn, self.post_norm_ff
         def ff(x):
-            f = self.feed_forward(self.norm_ff(x))
+            f = self.feed_forward((self.norm_self_attn if self.norm_ff is None else self.norm_ff)(x))
             return self.dropout(f if post_f is None else post_f(f))
         a = self.dropout(a if post_a is None else post_a(a))
         if self.parallel_residual: return x + a + ff(x)
         x = x + a
         return x + ff(x)
+
+# %% ../nbs/09_models.ipynb #cls0emb1
+class NormedEmbedding(nn.Embedding):
+    "A token embedding followed by a norm (BLOOM's `word_embeddings_layernorm`); `weight` is the table, so tying and `get_input_embeddings` see an `nn.Embedding`."
+    def __init__(self, n_vocab:int, d_model:int, norm:str='layer', eps:float=1e-5):
+        super().__init__(n_vocab, d_model)
+        self.norm = make_norm(norm, d_model, eps)
+
+    def forward(self, tokens:torch.Tensor) -> torch.Tensor: return self.norm(super().forward(tokens))
+
 
 # %% ../nbs/09_models.ipynb #qknorm01
 QK_NORMS = (None, 'head', 'full', 'head_unscaled')   # `DecoderLM(qk_norm=)`: none, per head (Qwen3), over the whole projection (OLMo 2), per head without a learned scale (Llama 4)
@@ -365,6 +381,9 @@ class DecoderLM(nn.Module):
                  attention_chunk_size:Optional[int]=None, # 'chunked_attention' layers attend within chunks of this many tokens (Llama 4)
                  query_temperature:Optional[tuple]=None, # `(floor_scale, attn_scale)`: query at stream index t times 1 + attn_scale log(1 + floor((t + 1) / floor_scale)) (Llama 4)
                  layer_positions:Optional[dict]=None, # per layer type, position keyword arguments (or `position=`, `qk_norm=`, `query_temperature=`) replacing the model's in those layers (Gemma 3: `{'sliding_attention': dict(base=1e4)}`)
+                 embedding_norm:bool=False,     # a norm on the token embeddings (BLOOM): `src_embed` is a `NormedEmbedding`
+                 shared_norm:bool=False,        # with `parallel_residual`: one norm per layer, read by both branches (GPT-J, Falcon)
+                 output_bias:Optional[bool]=None, # bias of the attention's output projection; None: `bias` (GPT-J: False with bias=True)
                  **position_kwargs):         # passed to the position method's attention module (e.g. `P=`, `k=`, `rope_scaling=`)
         super().__init__()
         if norm not in NORMS: raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -397,6 +416,7 @@ class DecoderLM(nn.Module):
         for name, flag in (('pre_norm', pre_norm), ('post_norm', post_norm)):
             if not isinstance(flag, bool): raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
         self.qkv_bias, self.qk_norm, self.sliding_window = qkv_bias, qk_norm, sliding_window
+        self._check_classic(embedding_norm, shared_norm, output_bias, parallel_residual, pre_norm)
         self.pre_norm, self.post_norm = pre_norm, post_norm
         if not (isinstance(norm_eps, (int, float)) and not isinstance(norm_eps, bool) and norm_eps > 0):
             raise ValueError(f"norm_eps must be a positive float, got {norm_eps!r}")
@@ -436,7 +456,7 @@ class DecoderLM(nn.Module):
         self.knn_memory, self.knn_memory_kwargs = knn_memory, _check_knn_memory('DecoderLM', knn_memory, knn_memory_kwargs)
         self.n_vocab, self.d_model, self.heads, self.d_ff, self.dropout_p = n_vocab, d_model, heads, d_ff, dropout
         self.position, self.mem_len, self.max_len, self.position_kwargs = position, mem_len, max_len, position_kwargs
-        self.src_embed = nn.Embedding(n_vocab, d_model)
+        self.src_embed = NormedEmbedding(n_vocab, d_model, norm, norm_eps) if embedding_norm else nn.Embedding(n_vocab, d_model)
         self.pos_embed = nn.Embedding(max_len, d_model) if position == 'absolute' else None
         self.drop = nn.Dropout(self.embedding_dropout)   # the embeddings are the residual stream's first term
         self.layers = nn.ModuleList([self.make_layer(i) for i in range(n_layers)])
@@ -488,7 +508,7 @@ class DecoderLM(nn.Module):
         if isinstance(module, MultiHeadAttention):
             # labml's value and output projections always have a bias: removed where the model has none (LLaMA: none)
             if not qkv_bias: module.value.linear.register_parameter('bias', None)
-            if not self.bias: module.output.register_parameter('bias', None)
+            if not (self.bias if self.output_bias is None else self.output_bias): module.output.register_parameter('bias', None)
             if qk_norm is not None: normalise_heads(module, qk_norm, self.norm_kind, self.norm_eps, self.norm_offset)
             if self.score_scale is not None: module.scale = self.score_scale
             module.softcap, module.query_temperature = self.attn_softcap, temperature
@@ -505,7 +525,23 @@ class DecoderLM(nn.Module):
         return DecoderLayer(self.d_model, attn, self.d_ff, self.residual_dropout, ffn_dropout=self.ffn_dropout,
                             norm=self.norm_kind, ffn=self.ffn_kind, bias=self.bias, norm_eps=self.norm_eps,
                             parallel_residual=self.parallel_residual, pre_norm=self.pre_norm, post_norm=self.post_norm,
-                            norm_offset=self.norm_offset)
+                            norm_offset=self.norm_offset, shared_norm=self.shared_norm)
+
+
+# %% ../nbs/09_models.ipynb #cls0chk1
+@patch
+def _check_classic(self:DecoderLM, embedding_norm, shared_norm, output_bias, parallel_residual, pre_norm):
+    "Check and keep `embedding_norm`, `shared_norm`, `output_bias` (the switches of GPT-2, GPT-J, BLOOM and Falcon)."
+    for name, flag in (('embedding_norm', embedding_norm), ('shared_norm', shared_norm)):
+        if not isinstance(flag, bool): raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}")
+    if output_bias is not None and not isinstance(output_bias, bool):
+        raise TypeError(f"output_bias must be None (bias's value) or a bool, got {type(output_bias).__name__} {output_bias!r}")
+    if shared_norm and not (parallel_residual and pre_norm):
+        raise ValueError(f"shared_norm=True: one norm read by both branches needs parallel_residual=True and pre_norm=True "
+                         f"(a sequential block normalises the sum that reaches the feed-forward block), got "
+                         f"parallel_residual={parallel_residual}, pre_norm={pre_norm}")
+    self.embedding_norm, self.shared_norm, self.output_bias = embedding_norm, shared_norm, output_bias
+
 
 # %% ../nbs/09_models.ipynb #pattern01
 @patch
@@ -780,7 +816,7 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
     b, n = tokens.shape
     m = memory[0].shape[1] if memory else 0
     x = self._embed(tokens)
-    if self.pos_embed is not None: x = x + self.pos_embed.weight[m:m + n]   # memory only in generate: positions go on
+    if self.pos_embed is not None: x, position_ids = self._absolute_positions(x, m, position_ids)   # the table takes the ids
     x = self.drop(x)
     def row_mask(mask):
         if m and drop is not None and bool(drop.any()):
@@ -826,12 +862,27 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
         for knn_memory, keys, values in writes: knn_memory.add(keys, values)
     return self._logits(x), new_memory
 
+# %% ../nbs/09_models.ipynb #cls0abs1
+@patch
+def _absolute_positions(self:DecoderLM, x:torch.Tensor, # `[batch, n, d_model]` token embeddings
+                        m:int,                          # memory length (only in generate without a cache: positions go on)
+                        position_ids:Optional[torch.Tensor]): # checked `[batch or 1, m + n]`, or None
+    "`position='absolute'`: add the learned table's rows for positions `m, m+1, ...` or for `position_ids` (left padding: GPT-2's); the layers then take no ids."
+    n = x.shape[1]
+    if position_ids is None: return x + self.pos_embed.weight[m:m + n], None
+    ids = position_ids[..., m:]
+    if ids.numel() and int(ids.max()) >= self.max_len:
+        raise ValueError(f"position_ids reach position {int(ids.max())}, but position='absolute' covers positions < "
+                         f"max_len={self.max_len}; build DecoderLM(..., max_len={int(ids.max()) + 1}) (or larger)")
+    return x + self.pos_embed(ids), None
+
+
 # %% ../nbs/09_models.ipynb #e139980d
 @patch
 def forward(self:DecoderLM, tokens:Optional[torch.Tensor]=None, # token ids `[batch, seq_len]` (or `input_ids=`)
             memory:Optional[List[torch.Tensor]]=None, # the memory returned by the previous call (None or []: none)
             doc_start:Optional[torch.Tensor]=None,    # bool `[batch]`: rows whose document starts at `tokens[:, 0]` (their kNN memories are emptied first, their XL memory is not attended, their K/V cache is reset)
-            position_ids:Optional[torch.Tensor]=None, # int `[batch, m + seq_len]` or `[m + seq_len]`: positions of the memory and the tokens (rotary, ALiBi, T5); with `cache`: `[batch, seq_len]` or `[seq_len]`, which must continue the cache's
+            position_ids:Optional[torch.Tensor]=None, # int `[batch, m + seq_len]` or `[m + seq_len]`: positions of the memory and the tokens (rotary, ALiBi, T5, absolute's table rows); with `cache`: `[batch, seq_len]` or `[seq_len]`, which must continue the cache's
             attention_mask:Optional[torch.Tensor]=None, # bool or 0/1 `[batch, m + seq_len]`: False/0 = padding (never attended); with `cache`: `[batch, seq_len]`, the new tokens'
             *, cache=None,                            # a `relpos.cache.KVCache` from `new_cache`: decode incrementally (instead of `memory`)
             input_ids:Optional[torch.Tensor]=None,    # transformers' name for `tokens`: the call returns a `CausalLMOutput`
@@ -1295,6 +1346,7 @@ def to_config(self:DecoderLM) -> dict:
                 layer_types=None if self.layer_types is None else list(self.layer_types),
                 attention_chunk_size=self.attention_chunk_size, layer_positions=self.layer_positions,
                 query_temperature=self.query_temperature,
+                embedding_norm=self.embedding_norm, shared_norm=self.shared_norm, output_bias=self.output_bias,
                 **self.position_kwargs)
 
 @patch

@@ -94,7 +94,7 @@ def apply_rotary(x:torch.Tensor,    # `[..., d]`, e.g. queries or keys of one he
     return out if rest.shape[-1] == 0 else torch.cat([out, rest], dim=-1)
 
 # %% ../nbs/06_rotary.ipynb #28559b3c
-ROPE_TYPES = ('default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3')
+ROPE_TYPES = ('default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3', 'proportional')
 # rope_type -> (required keys, optional keys), transformers' names (its `_validate_*_rope_parameters`)
 _ROPE_KEYS = {
     'default': (set(), set()),
@@ -104,6 +104,7 @@ _ROPE_KEYS = {
              {'attention_factor', 'beta_fast', 'beta_slow', 'mscale', 'mscale_all_dim', 'truncate'}),
     'longrope': ({'short_factor', 'long_factor', 'original_max_position_embeddings'}, {'attention_factor', 'factor'}),
     'llama3': ({'factor', 'original_max_position_embeddings', 'low_freq_factor', 'high_freq_factor'}, set()),
+    'proportional': (set(), {'factor'}),   # and partial_rotary_factor: the share of pairs that turn
 }
 _ROPE_ANY = {'rope_type', 'type', 'rope_theta', 'partial_rotary_factor'}   # accepted in every dict (checked by the layer)
 
@@ -166,6 +167,12 @@ def rope_parameters(rope_scaling:Optional[dict], # transformers' `rope_scaling` 
     exponent = lambda: torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(dtype) / dim   # 2d / D
     if kind == 'default': return 1.0 / (base ** exponent()), 1.0
     if kind == 'linear': return 1.0 / (base ** exponent()) / cfg['factor'], 1.0
+    if kind == 'proportional':
+        # Gemma 4: the first int(p D / 2) pairs keep the whole head's frequencies, the others get 0 (never turn)
+        turning = int(cfg.get('partial_rotary_factor', 1.0) * dim // 2)
+        inv_freq = 1.0 / (base ** (torch.arange(0, 2 * turning, 2, dtype=torch.int64, device=device).to(dtype) / dim))
+        inv_freq = torch.cat([inv_freq, torch.zeros(dim // 2 - turning, dtype=dtype, device=device)])
+        return inv_freq / cfg.get('factor', 1.0), 1.0
     if kind == 'dynamic':
         if max_position_embeddings is None:
             raise ValueError("rope_type 'dynamic' needs max_position_embeddings= (transformers reads it from the model "
@@ -242,7 +249,11 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
         # a dict copied from a transformers config may carry its base and partial rotation: they must agree
         if 'rope_theta' in cfg and float(cfg['rope_theta']) != self.base:
             raise ValueError(f"rope_scaling['rope_theta'] = {cfg['rope_theta']} but base = {self.base}; pass base=rope_theta")
-        if 'partial_rotary_factor' in cfg and int(self.d_k * cfg['partial_rotary_factor']) != self.rotary_dim:
+        if cfg['rope_type'] == 'proportional' and self.rotary_dim != self.d_k:
+            raise ValueError(f"rope_type 'proportional' rotates whole heads (its partial_rotary_factor stops pairs from turning) "
+                             f"but rotary_dim = {self.rotary_dim} < d_k = {self.d_k}; pass rotary_dim=None")
+        if (cfg['rope_type'] != 'proportional' and 'partial_rotary_factor' in cfg
+                and int(self.d_k * cfg['partial_rotary_factor']) != self.rotary_dim):
             raise ValueError(f"rope_scaling['partial_rotary_factor'] = {cfg['partial_rotary_factor']} rotates "
                              f"{int(self.d_k * cfg['partial_rotary_factor'])} of d_k = {self.d_k} features but rotary_dim = "
                              f"{self.rotary_dim}; pass rotary_dim=int(d_k * partial_rotary_factor)")

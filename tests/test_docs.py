@@ -329,8 +329,9 @@ def test_inline_math_has_no_big_delimiters():
 # section "Making it fast". The chapters listed here are in that shape; the others join the list as they are rewritten.
 
 LESSONS = [ROOT/'nbs'/n for n in ('00_shift.ipynb', '01_mha.ipynb', '02_relative_mha.ipynb', '03_shaw.ipynb', '03b_bias.ipynb',
-                                     '06_rotary.ipynb', '06b_xpos.ipynb', '07_alibi.ipynb', '08_t5.ipynb', '08b_fire.ipynb',
-                                     '08c_kerple.ipynb', '08d_fox.ipynb', '09a_cache.ipynb', '10_memorizing.ipynb')]
+                                     '04_fourier.ipynb', '05_context_choice.ipynb', '06_rotary.ipynb', '06b_xpos.ipynb',
+                                     '07_alibi.ipynb', '08_t5.ipynb', '08b_fire.ipynb', '08c_kerple.ipynb', '08d_fox.ipynb',
+                                     '09a_cache.ipynb', '10_memorizing.ipynb')]
 FAST_HEADING = 'Making it fast'
 MAX_PARAGRAPH_WORDS = 100
 # lab-notebook material: internal targets, tracker references, machine load, counts of repeated runs
@@ -433,3 +434,114 @@ _REDEFINED = {r'e^{i': '`i` is the query position, not the imaginary unit (write
 def test_lesson_follows_notation(nb):
     bad = [f'{where}: {s!r}: {why}' for where, md in _prose(_nb(nb)) for s, why in _REDEFINED.items() if s in md.replace(' ', '')]
     assert not bad, bad
+
+
+# ---------------------------------------------------------------------------------------------- the docs home and the guides
+# Short pages for what a user looks for first (transformers and generate, GPU, DDP/FSDP2, which method), linked from
+# the docs home and the sidebar. The home and the guides follow the lessons' rules for prose.
+
+HOME = ROOT/'nbs'/'index.ipynb'
+GUIDES = sorted((ROOT/'nbs').glob('g[0-9]*_*.ipynb'))
+
+def _markdown(nb:dict) -> str: return '\n\n'.join(''.join(c['source']) for c in nb['cells'] if c['cell_type'] == 'markdown')
+
+def test_guides_linked_from_home_and_sidebar():
+    "Each guide is linked from the docs home (and so from the README) and listed in the sidebar."
+    assert {g.stem.split('_', 1)[1] for g in GUIDES} >= {'generate', 'gpu', 'distributed', 'which_method'}, GUIDES
+    home, readme = _markdown(_nb(HOME)), (ROOT/'README.md').read_text()
+    sidebar = re.findall(r'[\w.-]+\.ipynb', (ROOT/'nbs'/'sidebar.yml').read_text())
+    for g in GUIDES:
+        assert f']({g.name})' in home, f'{g.name} is not linked from the docs home'
+        assert f'](nbs/{g.name})' in readme, f'{g.name} is not linked from README.md (render_docs.py --readme)'
+        assert g.name in sidebar, f'{g.name} is not in nbs/sidebar.yml'
+
+@pytest.mark.parametrize('nb', GUIDES + [HOME], ids=lambda p: p.name)
+def test_guide_and_home_prose(nb):
+    "Paragraphs of at most ~100 words and no lab-notebook phrases (on the home: its own text; its generated summaries come from the chapters)."
+    prose = [('markdown', _markdown(_nb(nb)))] if nb == HOME else list(_prose(_nb(nb)))
+    long = [f'{w}: {_words(p)} words: {p[:80]}...' for w, md in prose for p in _paragraphs(md) if _words(p) > MAX_PARAGRAPH_WORDS]
+    lab = [f'{w}: ...{md[max(0, m.start() - 50):m.end() + 50]}...' for w, md in prose for m in LAB_PHRASES.finditer(md)]
+    assert not long and not lab, long + lab
+
+def test_cost_tables_list_every_position():
+    "Chapter 09's stored cost tables, and the docs home's table made from them (and the README's), have a row for every"
+    " entry of POSITIONS: a method added to the registry without re-running the benchmark fails here."
+    from relpos.models import POSITIONS
+    from relpos.bench import stored_tables
+    step, train, infer = stored_tables(ROOT/'nbs'/'09_models.ipynb')[:3]
+    for n in sorted({r['config']['n'] for r in step['rows']}):
+        got = [r['case'] for r in step['rows'] if r['config']['n'] == n and r['time_ratio'] is not None]
+        assert got == list(POSITIONS), f"DecoderLM step table at n={n}: {got}"
+    layer = ['sdpa_causal'] + [p for p in POSITIONS if p != 'absolute']   # 'absolute' is 'none' at the layer
+    for t in (train, infer):
+        assert [r['case'] for r in t['rows'] if r['time_ratio'] is not None] == layer, t['title']
+    outs = [''.join(o['data']['text/markdown']) for c in _nb(HOME)['cells'] for o in c.get('outputs', [])
+            if '| method | training step: time' in ''.join(o.get('data', {}).get('text/markdown', ''))]
+    assert len(outs) == 1, 'the docs home shows no cost table (execute nbs/index.ipynb)'
+    rows = [l.split('|')[1].strip() for l in outs[0].splitlines() if l.startswith('| `')]
+    assert rows == [f'`{p}`' for p in POSITIONS]
+    readme = (ROOT/'README.md').read_text()
+    assert all(l in readme for l in outs[0].splitlines() if l.startswith('| `')), 'README.md: python tools/render_docs.py --readme'
+
+def test_home_claims():
+    "The docs home: the K/V cache's cost per token grows with the context (attention over n cached tokens is O(n d));"
+    " no timings of one machine; 'seed' means random seeds only; what needs transformers is said where it is needed."
+    cells = _nb(HOME)['cells']
+    home = _markdown(_nb(HOME))
+    assert 'does not grow' not in home
+    assert not re.search(r'\b\d+ minutes\b', home), re.findall(r'[^.]*\b\d+ minutes\b[^.]*', home)
+    methods = next(''.join(c['source']) for c in cells if ''.join(c['source']).startswith('## Methods'))
+    assert not re.search(r'\bseeds?\b', methods), 'the code a chapter ports is its "original code", not its seed'
+    install = next(''.join(c['source']) for c in cells if ''.join(c['source']).startswith('## Install'))
+    assert 'pip install transformers' in install and '# the repository of' not in install
+    torch_min = re.search(r'torch>=([\d.]+)', render_docs.read_settings()['requirements']).group(1)
+    assert f'PyTorch ({torch_min} or later)' in install, f'settings.ini requires torch>={torch_min}'
+    i = next(i for i, c in enumerate(cells) if c['cell_type'] == 'code' and 'from transformers' in ''.join(c['source']))
+    assert 'pip install transformers' in ''.join(cells[i - 1]['source']), 'say before the cell that it needs transformers'
+
+def test_train_command_lines_parse():
+    "Every `relpos.train` command line shown in the training chapter and the guide is one the script accepts."
+    from relpos.train import train_parser
+    import shlex
+    for name in ('13_train.ipynb', 'g2_distributed.ipynb'):
+        lines = [l for block in re.findall(r'```sh\n(.*?)```', _markdown(_nb(ROOT/'nbs'/name)), re.S)
+                 for l in block.replace('\\\n', ' ').splitlines() if 'relpos.train' in l]
+        assert lines, f'{name}: no relpos.train command line'
+        for l in lines:
+            words = shlex.split(l)
+            args = words[words.index('relpos.train') + 1:]
+            try: train_parser().parse_args(args)
+            except SystemExit: pytest.fail(f'{name}: {l!r} does not parse')
+
+def test_sentences_from_the_cost_tables_are_current(monkeypatch):
+    "A generated sentence or table that reads chapter 09's stored cost tables shows what they hold now: re-running its"
+    " cell gives its stored output (a benchmark re-run without re-executing the chapters that quote it fails here)."
+    from IPython.display import Markdown
+    from relpos.bench import stored_tables, row
+    from relpos.models import POSITIONS
+    monkeypatch.chdir(ROOT/'nbs')
+    checked = []
+    for nb in NBS:
+        for i, c in enumerate(_nb(nb)['cells']):
+            src = ''.join(c['source'])
+            if c['cell_type'] != 'code' or "stored_tables('09_models.ipynb')" not in src or not src.startswith('#| echo: false'): continue
+            stored = [''.join(o['data']['text/markdown']) for o in c.get('outputs', []) if 'text/markdown' in o.get('data', {})]
+            k = src.rindex('\nMarkdown(')   # the cell's last statement, at the top level, makes the output
+            ns = dict(re=re, Markdown=Markdown, stored_tables=stored_tables, row=row, POSITIONS=POSITIONS)
+            exec(src[:k], ns)
+            got = eval(src[k + 1:], ns).data
+            assert stored == [got], f'{nb.name} cell {i}: re-execute it (tools/execute_nb.py), its output is stale'
+            checked.append(nb.name)
+    assert {'index.ipynb', '06_rotary.ipynb', '07_alibi.ipynb', '08_t5.ipynb'} <= set(checked), checked
+
+def test_study_answer_current(monkeypatch):
+    "The study's short answer, quoted on the docs home and in the guide to picking a method, is what the stored runs"
+    " give now (`make study` re-executes both)."
+    from relpos.bench import load_case
+    monkeypatch.chdir(ROOT/'nbs')
+    want = load_case('bench.study:StudyResults').load().which_to_use()
+    call = "Markdown(load_case('bench.study:StudyResults').load().which_to_use())"
+    for nb in (HOME, ROOT/'nbs'/'g3_which_method.ipynb'):
+        [c] = [c for c in _nb(nb)['cells'] if call in ''.join(c['source'])]
+        [got] = [''.join(o['data']['text/markdown']) for o in c['outputs'] if 'text/markdown' in o.get('data', {})]
+        assert got == want, f'{nb.name}: its study answer is stale; execute it (tools/execute_nb.py)'

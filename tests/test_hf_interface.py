@@ -500,10 +500,13 @@ def test_to_transformers_keeps_dtype_mode_and_seed():
     assert model.training and model.dtype == torch.float32 and model.config.eos_token_id == 3
 
 
-@pytest.mark.parametrize("position", [p for p in POSITIONS if p != 'rotary'])
+@pytest.mark.parametrize("position", POSITIONS)
 def test_to_transformers_refuses_other_positions_by_name(position):
     lm = DecoderLM(V, d_model=16, heads=2, position=position, max_len=8)
-    with pytest.raises(ValueError, match=f"position='{position}' has no transformers counterpart"): lm.to_transformers()
+    # GPT-2 has learned absolute positions, BLOOM ALiBi: a default DecoderLM (ReLU block) is refused by those classes
+    own = {'rotary': 'LlamaForCausalLM', 'absolute': 'GPT2LMHeadModel', 'alibi': 'BloomForCausalLM'}
+    msg = f"{own[position]} needs" if position in own else f"position='{position}' has no transformers counterpart"
+    with pytest.raises(ValueError, match=msg): lm.to_transformers()
 
 
 def test_to_transformers_refuses_what_no_class_expresses():
@@ -524,4 +527,5 @@ def test_to_transformers_refuses_what_no_class_expresses():
     assert model.config.attention_dropout == 0.1
     x = tokens(1, 6)
     with torch.no_grad(): assert max_err(model(x).logits, lm(x)[0]) <= 1e-5
-    assert set(TO_TRANSFORMERS) == {'LlamaForCausalLM', 'GPTNeoXForCausalLM'}
+    assert set(TO_TRANSFORMERS) == {'LlamaForCausalLM', 'GPTNeoXForCausalLM', 'GPT2LMHeadModel', 'BloomForCausalLM',
+                                    'GPTJForCausalLM', 'FalconForCausalLM'}
