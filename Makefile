@@ -57,11 +57,15 @@ bench: env
 # The chapter "Which method?": train every position method and its variants (bench/study.py), each run stored as soon as
 # it finishes in nbs/data/study/<phase>__<label>__seed<k>.json (resumable: rerun to continue), then execute the chapter
 # and the docs home (and the guide that quotes it), whose tables and pictures are read from the stored runs. PHASE=main (60 runs, about an hour
-# and a half on 2 cores), PHASE=long (4x the steps for the best methods of main), PHASE=timing (step times: a quiet machine).
+# and a half on 2 cores), PHASE=long (4x the steps for every base method and the best variant of each family), PHASE=timing (CPU time of a step of
+# every label: one thread, interleaved rounds, stored in nbs/data/study/cputime.json), PHASE=retrieval (bench/retrieval.py:
+# passkey and associative recall read at 1x-16x, stored in nbs/data/retrieval/). DEVICE=cuda trains on a GPU.
 STUDY_NB := nbs/11_which_method.ipynb
 PHASE ?= main
+STUDY_DEVICE := $(if $(DEVICE),--device $(DEVICE),)
 study: env
-	OMP_NUM_THREADS=1 $(BIN)/python -m bench.study --phase $(PHASE)
+	if [ "$(PHASE)" = retrieval ]; then OMP_NUM_THREADS=1 $(BIN)/python -m bench.retrieval $(STUDY_DEVICE); \
+	else OMP_NUM_THREADS=1 $(BIN)/python -m bench.study --phase $(PHASE) $(STUDY_DEVICE); fi
 	$(BIN)/python tools/execute_nb.py $(STUDY_NB) nbs/index.ipynb nbs/g3_which_method.ipynb && $(BIN)/nbdev_clean --fname $(STUDY_NB) && $(BIN)/nbdev_clean --fname nbs/index.ipynb && $(BIN)/nbdev_clean --fname nbs/g3_which_method.ipynb
 
 # The Memorizing Transformer on long documents (bench/memorizing_study.py): every (phase, setting, seed) not yet stored

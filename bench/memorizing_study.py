@@ -198,18 +198,35 @@ def build_model(seq:int, d_model:int, heads:int, n_layers:int, position:str, mem
     return DecoderLM(256, d_model=d_model, heads=heads, n_layers=n_layers, position=position, mem_len=mem_len,
                      max_len=seq, **extra)
 
+@torch.no_grad()
+def pair_init(model, seed:int, seq:int, d_model:int, heads:int, n_layers:int, position:str) -> dict:
+    """Give `model` the initial weights of the setting without memory (`none`) built from `seed`, for every parameter
+    the two share: a kNN layer's local side (`...module.local.X`) takes `none`'s `...module.X`. Only the kNN layer's
+    own parameters (gate, temperature) keep their draw. Two settings with the same seed then differ at the start only
+    where their methods differ, so their per-seed difference is paired. Returns what was shared."""
+    torch.manual_seed(seed)
+    ref = dict(build_model(seq, d_model, heads, n_layers, position).named_parameters())
+    n, numel, own = 0, 0, []
+    for name, p in model.named_parameters():
+        q = ref.get(name.replace('.module.local.', '.module.'))
+        if q is not None and q.shape == p.shape: p.copy_(q); n, numel = n + 1, numel + p.numel()
+        else: own.append(name)
+    return {'paired_with': 'none', 'tensors': n, 'params': numel, 'own': own}
+
 def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, heads:int, n_layers:int,
               position:str, lr:float, warmup:int, eval_docs:int, eval_bytes:int, eval_every:int=0, gate_loss:bool=False,
               **setting) -> dict:
     """Train one setting from scratch on the training documents, then evaluate it on the validation documents.
     `gate_loss`: add the kNN gates' auxiliary loss (`get_loss_component()`, which pushes each gate toward the memory)
-    to the training loss; without it the gates learn from the language-modelling loss alone, as in meliad and the paper."""
+    to the training loss; without it the gates learn from the language-modelling loss alone, as in meliad and the paper.
+    Every parameter shared with the setting without memory starts as that setting's of the same seed (`pair_init`)."""
     config = dict(steps=steps, batch=batch, seq=seq, d_model=d_model, heads=heads, n_layers=n_layers, position=position,
                   lr=lr, warmup=warmup, eval_docs=eval_docs, eval_bytes=eval_bytes, gate_loss=gate_loss)
     torch.set_num_threads(1)
     corpus = load_corpus(manifest=stored_manifest())
     torch.manual_seed(seed)
     model = build_model(seq, d_model, heads, n_layers, position, **setting)
+    init = pair_init(model, seed, seq, d_model, heads, n_layers, position)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     stream = DocStream(corpus['train'], batch, seq, data_seed=0)   # the same bytes for every setting and seed
     val = corpus['val'][:eval_docs]
@@ -242,7 +259,7 @@ def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, h
                for a in model.memorizing if a.memory is not None]
     t0 = time.time()
     ev = evaluate(model, val, seq, eval_bytes)
-    return {'label': label, 'seed': seed, 'setting': setting, 'config': config, 'bpb': ev['bits'] / ev['bytes'], 'eval': ev,
+    return {'label': label, 'seed': seed, 'setting': setting, 'config': config, 'init': init, 'bpb': ev['bits'] / ev['bytes'], 'eval': ev,
             'gate_local': gates, 'knn_memory': backend, 'curve': curve, 'train_bpb': [round(v, 4) for v in train_bits],
             # one thread: CPU time per step is the work, wall time adds the waits of a shared machine
             'step_time': statistics.median(times[20:] or times), 'step_times_mean': statistics.mean(times),
@@ -292,7 +309,7 @@ def initial_gate_local(run:dict) -> list:
     c = run['config']
     torch.manual_seed(run['seed'])
     model = build_model(c['seq'], c['d_model'], c['heads'], c['n_layers'], c['position'], **run['setting'])
-    return gate_local(model)
+    return gate_local(model)   # pairing (`pair_init`) leaves the gates as drawn here
 
 def run_file(label:str, seed:int, phase:str='long') -> Path:
     return RESULTS / f"{phase}__{label.replace(' ', '_').replace('+', 'plus')}__seed{seed}.json"
@@ -314,6 +331,12 @@ def _worker(kw:dict) -> dict:
           f"step {r['step_time'] * 1e3:.0f} ms, train {r['train_seconds']:.0f} s, eval {r['eval_seconds']:.0f} s", flush=True)
     return r
 
+SEEDS = 4   # seeds per setting: with 2, the two `none` runs alone differed late in documents by more than most effects
+
+def is_paired(run:dict) -> bool:
+    "Whether a stored run started from the paired initialisation (`pair_init`); runs stored before it record no `init`."
+    return 'init' in run
+
 def load_results(path=None) -> list:
     "Every stored run (one JSON file each)."
     return [json.loads(p.read_text()) for p in sorted(Path(path or RESULTS).glob('*.json'))]
@@ -321,7 +344,7 @@ def load_results(path=None) -> list:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--workers', type=int, default=2)
-    ap.add_argument('--seeds', type=int, default=2)
+    ap.add_argument('--seeds', type=int, default=SEEDS, help=f'seeds per setting (default {SEEDS})')
     ap.add_argument('--phase', nargs='+', choices=list(PHASES), default=list(PHASES), help='budgets to run (default: all)')
     ap.add_argument('--list', action='store_true', help='print the runs and which are stored')
     ap.add_argument('--pilot', type=int, default=0, help='time this many steps of every setting (nothing stored)')
@@ -343,11 +366,14 @@ def main(argv=None):
         return
     out = Path(a.out or RESULTS)
     path = lambda r: out / run_file(r['label'], r['seed'], r['phase']).name
-    todo = [dict(r, out_dir=str(out)) for r in runs if not path(r).exists()]
+    done = lambda r: path(r).exists() and is_paired(json.loads(path(r).read_text()))
+    todo = [dict(r, out_dir=str(out)) for r in runs if not done(r)]
     if a.list:
-        for r in runs: print(('stored ' if path(r).exists() else 'todo   ') + f"{r['phase']} {r['label']} seed {r['seed']}")
+        for r in runs: print(('stored ' if done(r) else 'todo   ') + f"{r['phase']} {r['label']} seed {r['seed']}")
         return
-    print(f"{len(runs) - len(todo)} of {len(runs)} runs stored; running {len(todo)}", flush=True)
+    old = sum(path(r).exists() for r in todo)
+    print(f"{len(runs) - len(todo)} of {len(runs)} runs stored; running {len(todo)}"
+          + (f" ({old} of them stored before paired initialisation: rerun and replaced)" if old else ''), flush=True)
     if todo:
         results = run_pool(_worker, todo, a.workers)
         failed = [f"{r['label']} seed {r['seed']}: {r['error']}" for r in results if 'error' in r]
@@ -358,6 +384,11 @@ if __name__ == '__main__': main()
 # ---------------------------------------------------------------------------------------------------------------
 # Reading the stored runs (the chapter)
 # ---------------------------------------------------------------------------------------------------------------
+from bench.study import t975
+PAIRED_RULE = ("*Rule:* a setting's difference with another is taken seed by seed (the same documents in the same order "
+               "and, for runs that record `init`, the same initial weights of every shared parameter); it is *better* or "
+               "*worse* when the 95% t-interval of the mean difference lies below or above 0, *no difference* when it "
+               "holds 0, and *not known* with fewer than 2 paired seeds.")
 LATE = (8192, 16384)   # byte offsets where a memory of 64x the segment (8 KB) is full
 EARLY = (0, 1024)      # the first kilobyte: little to remember yet
 
@@ -451,6 +482,30 @@ class MemStudyResults:
                         f"{self.cost(l):.2f}× | {self.cost(l, 'step_time'):.2f}× |"
                         + (f" {'' if math.isnan(self.memory_weight(l)) else f'{self.memory_weight(l):.2f}'} |" if gates else ''))
         return head + '\n' + '\n'.join(rows)
+
+    def interval(self, label, base='none', lo=LATE[0], hi=LATE[1]):
+        """(mean, half-width of the 95% t-interval, pairs, paired) of `label` minus `base` over [lo, hi), seed by seed;
+        `paired`: every run of both started from the paired initialisation (else the differences also carry the
+        initialisation's noise). NaN half-width with fewer than 2 pairs."""
+        d = self.diffs(label, base, lo, hi)
+        paired = all(is_paired(r) for l in (label, base) for r in self.runs(l))
+        if len(d) < 2: return (statistics.mean(d) if d else math.nan), math.nan, len(d), paired
+        return statistics.mean(d), t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d)), len(d), paired
+
+    def paired_verdict(self, label, base='none', lo=LATE[0], hi=LATE[1]):
+        """By `PAIRED_RULE`: 'better' (the interval lies below 0), 'worse' (above 0), 'no difference' (it holds 0),
+        'not known' (fewer than 2 pairs); None if either was not run."""
+        if label not in self.labels or base not in self.labels: return None
+        m, half, n, _ = self.interval(label, base, lo, hi)
+        if n < 2: return 'not known'
+        return 'better' if m + half < 0 else 'worse' if m - half > 0 else 'no difference'
+
+    def interval_text(self, label, base='none', lo=LATE[0], hi=LATE[1]) -> str:
+        "'`label` − `base`: -0.012 ± 0.010 bits per byte (4 paired seeds)', for a sentence."
+        if label not in self.labels or base not in self.labels: return f'`{label}` against `{base}`: not run yet'
+        m, half, n, paired = self.interval(label, base, lo, hi)
+        return (f"`{label}` − `{base}`: {m:+.3f}" + ('' if math.isnan(half) else f" ± {half:.3f}") + " bits per byte ("
+                + f"{n} {'paired ' if paired else ''}seed{'s' * (n != 1)})")
 
     def compare(self, label, base, lo=LATE[0], hi=LATE[1]) -> str:
         "'`label` − `base`: +0.012 bits (both seeds)' or '(seeds disagree)', for a sentence; '' if either was not run."

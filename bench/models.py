@@ -1,5 +1,7 @@
 """Benchmark for `relpos.models` (nbs/09_models.ipynb): one `DecoderLM` training step per position method, against
-position='none'; and one attention layer per method under a causal mask, training and inference, against causal SDPA."""
+position='none'; and one attention layer per method under a causal mask, training and inference, against causal SDPA.
+Every table also divides each case's time by rotary's from the same run (its last column); every method of
+`relpos.models.POSITIONS` is a case of each."""
 import torch
 from relpos.models import DecoderLM, POSITIONS, POSITION_BUILDERS, causal_mask
 
@@ -54,9 +56,9 @@ def _tables(sizes, reps, layer_n, clock):
     from relpos.bench import bench_table
     return '\n\n'.join([
         bench_table({p: f"bench.models:make_{p}" for p in POSITIONS}, [dict(n=n) for n in sizes], baseline='none',
-                    reps=reps, clock=clock, title='DecoderLM training step: batch 4, d_model 256, 4 heads, 4 layers, vocabulary 256'),
+                    reps=reps, clock=clock, also='rotary', title='DecoderLM training step: batch 4, d_model 256, 4 heads, 4 layers, vocabulary 256'),
         bench_table({p: f"bench.models:make_train_{p}" for p in LAYER_CASES}, [dict(n=layer_n)], baseline='sdpa_causal',
-                    reps=reps, clock=clock, title='One attention layer per method, causal, forward+backward: batch 4, 8 heads, d_model 512'),
+                    reps=reps, clock=clock, also='rotary', title='One attention layer per method, causal, forward+backward: batch 4, 8 heads, d_model 512'),
         bench_table({p: f"bench.models:make_infer_{p}" for p in LAYER_CASES}, [dict(n=layer_n)], baseline='sdpa_causal',
-                    reps=reps, clock=clock, backward=False,
+                    reps=reps, clock=clock, backward=False, also='rotary',
                     title='One attention layer per method, causal, inference (forward under torch.inference_mode): batch 4, 8 heads, d_model 512')])

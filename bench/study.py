@@ -6,13 +6,17 @@ fine-tune at 4x the length), a NoPE hybrid, and every method that takes memory t
 
     python -m bench.study                   # every run of the main phase not yet stored (`make study`): resumable
     python -m bench.study --phase long      # 4x the steps for the best methods of the main phase, 2 seeds
-    python -m bench.study --phase timing    # short runs that time a step (wants a quiet machine)
+    python -m bench.study --phase timing    # CPU time of a training step of every label: one thread, 5 interleaved rounds
+    python -m bench.study --device cuda     # the same runs on a GPU (each run file records where it ran)
     python -m bench.study --list            # the runs of a phase and which are stored
     python -m bench.study --smoke --out D   # tiny models, a few steps, stored in D (what the tests run)
 
 Each run is stored as soon as it finishes, in nbs/data/study/<phase>__<label>__seed<k>.json; stored runs are
 skipped, so an interrupted study continues where it stopped. Runs go to `bench.pool.run_pool`: one fresh
-single-threaded process per run, two at a time.
+single-threaded process per run, two at a time. A stored run whose position settings differ from what the study asks
+for now (FIRE's threshold, T5's buckets: `is_current`) is set aside and run again. Every label of a seed starts from
+the same weights wherever it shares parameters with `none` (`pair_init`), so per-seed differences are paired; the
+verdicts (`StudyResults.judge`) follow `VERDICT_RULE`.
 """
 import argparse, copy, hashlib, json, math, statistics, sys, time
 from pathlib import Path
@@ -98,7 +102,7 @@ def window_bits(model, data:torch.Tensor, starts, length:int, score_last:int, se
     (memory starts empty in every window)."""
     bits, count = 0.0, 0
     for i in range(0, len(starts), _batch_size(length)):
-        idx = torch.as_tensor(starts[i:i + _batch_size(length)])[:, None] + torch.arange(length + 1)
+        idx = (torch.as_tensor(starts[i:i + _batch_size(length)])[:, None] + torch.arange(length + 1)).to(data.device)
         chunk = data[idx]
         x, y = chunk[:, :-1], chunk[:, 1:]
         if segment:
@@ -161,14 +165,14 @@ def attention_stats(model, val:torch.Tensor, lengths, scored:int=SCORED, stride:
     for m in mods: m.need_weights = True
     try:
         for L in lengths:
-            idx = torch.as_tensor([e - L - 1 for e in ends])[:, None] + torch.arange(L)
+            idx = (torch.as_tensor([e - L - 1 for e in ends])[:, None] + torch.arange(L)).to(val.device)
             try: model(val[idx])
             except (ValueError, TypeError): continue
             q, k = torch.arange(L - scored, L)[:, None], torch.arange(L)[None]
             d = q - k                                                     # [scored, L]: distance of each key
             rows = []
             for m in mods:
-                a = m.attn[-scored:].double()                             # [scored, L, batch, heads]
+                a = m.attn[-scored:].double().cpu()                       # [scored, L, batch, heads]
                 row = {'far': (a * (d >= near)[..., None, None]).sum(1).mean().item(),
                        'entropy': -(a * torch.log2(a.clamp_min(1e-30))).sum(1).mean().item()}
                 pos = getattr(m, 'positions', None)
@@ -221,8 +225,73 @@ def set_rope_scaling(model, rope_type, factor:float, seq:int) -> int:
     return n
 
 # ---------------------------------------------------------------------------------------------------------------
-# One run
+# One run: the model, its paired initialisation, what its position method was set to
 # ---------------------------------------------------------------------------------------------------------------
+# Runs stored before the run files recorded `positions` used these (FireBias's and T5's defaults of the time)
+LEGACY_POSITIONS = {'fire': {'init_L': 512.0}, 't5': {'num_buckets': 32, 'max_distance': 128}}
+
+def resolve_position_kwargs(position_kwargs, seq:int) -> dict:
+    "`position_kwargs` of a setting with the rule `'T/4'` (a quarter of the training length `seq`) made a number."
+    return {k: (seq // 4 if v == 'T/4' else v) for k, v in (position_kwargs or {}).items()}
+
+def build_model(method:str, seq:int, d_model:int=128, heads:int=4, n_layers:int=3, mem_len:int=0, nope_layers=(),
+                position_kwargs=None):
+    "The study's `DecoderLM` over bytes for `method`, its tables sized for the training length `seq`."
+    from relpos.models import DecoderLM
+    return DecoderLM(256, d_model=d_model, heads=heads, n_layers=n_layers, position=method, mem_len=mem_len,
+                     max_len=seq, nope_layers=tuple(nope_layers), **resolve_position_kwargs(position_kwargs, seq))
+
+def position_record(model) -> dict:
+    """What the position method was set to where the study varies it: FIRE's threshold `init_L`, T5's `num_buckets`
+    and `max_distance` (`{}` for the other methods)."""
+    for m in model.modules():
+        if hasattr(m, 'init_L') and hasattr(m, 'L_multiplier'): return {'init_L': float(m.init_L)}
+        if hasattr(m, 'num_buckets') and hasattr(m, 'max_distance') and hasattr(m, 'bucket'):
+            return {'num_buckets': int(m.num_buckets), 'max_distance': int(m.max_distance)}
+    return {}
+
+def expected_positions(method:str, seq:int, mem_len:int=0, position_kwargs=None) -> dict:
+    "`position_record` of the model a setting builds now (a one-layer model of the same method: the same rule)."
+    return position_record(build_model(method, seq, 8, 2, 1, mem_len, (), position_kwargs))
+
+def stored_positions(run:dict) -> dict:
+    "`position_record` of a stored run; runs stored before it was recorded used `LEGACY_POSITIONS`."
+    st = run.get('setting', {})
+    return st['positions'] if 'positions' in st else dict(LEGACY_POSITIONS.get(run.get('method'), {}))
+
+def is_current(run:dict, kw:dict) -> bool:
+    "Whether stored `run` is the run `kw` asks for now: the same position settings (FIRE's threshold, T5's buckets)."
+    return stored_positions(run) == expected_positions(kw['method'], kw.get('seq', SEQ), kw.get('mem_len', 0),
+                                                       kw.get('position_kwargs'))
+
+@torch.no_grad()
+def pair_init(model, seed:int, d_model:int, heads:int, n_layers:int, seq:int) -> dict:
+    """Give `model` the initialisation of every parameter it shares (same name, same shape) with `position='none'`'s
+    model of the same size built from `seed`: embeddings, projections, feed-forward blocks, norms, output layer. Two
+    labels with the same seed then start from the same weights and differ only where their methods differ, so their
+    per-seed difference is paired. Returns what was shared."""
+    torch.manual_seed(seed)
+    ref = dict(build_model('none', seq, d_model, heads, n_layers).named_parameters())
+    n, numel = 0, 0
+    for name, p in model.named_parameters():
+        q = ref.get(name)
+        if q is not None and q.shape == p.shape:
+            p.copy_(q); n, numel = n + 1, numel + p.numel()
+    return {'paired_with': 'none', 'tensors': n, 'params': numel}
+
+def _device(device:str):
+    "The torch device `device` names ('cpu', 'cuda', 'cuda:1'), refused clearly where it is not present."
+    if not isinstance(device, str): raise TypeError(f"device must be a string such as 'cpu' or 'cuda', got {device!r}")
+    d = torch.device(device)
+    if d.type == 'cuda' and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: no CUDA device here; use --device cpu")
+    return d
+
+def device_name(device) -> str:
+    "Where a run ran, in words, for the run file."
+    d = torch.device(device)
+    return torch.cuda.get_device_name(d) if d.type == 'cuda' else 'cpu (1 thread)'
+
 def _rss(key:str) -> int:
     for line in open('/proc/self/status'):
         if line.startswith(key): return int(line.split()[1]) * 1024
@@ -250,23 +319,29 @@ def _train(model, train, steps, batch, seq, lr, warmup, memory_len=0, step0=0, c
 def train_run(label:str, method:str, seed:int, phase:str='main', steps:int=300, batch:int=16, seq:int=SEQ,
               d_model:int=128, heads:int=4, n_layers:int=3, lr:float=2e-3, warmup:int=30, mem_len:int=0,
               nope_layers=(), rope_variants:bool=False, eval_every:int=50, evaluation:bool=True, scored:int=SCORED,
-              stride:int=STRIDE, attn_windows:int=4, data_scale:float=1.0) -> dict:
+              stride:int=STRIDE, attn_windows:int=4, data_scale:float=1.0, position_kwargs=None,
+              device:str='cpu') -> dict:
     """Train one `DecoderLM(position=method)` and evaluate it at 1x, 2x, 4x and 8x `seq` with both protocols
     (`evaluate`), keeping what explains the numbers (`attention_stats`, `fire_bias_curves`). `rope_variants` (rotary):
     the same trained model evaluated again with each RoPE scaling of `SCALINGS` at factor L / seq, and, from a copy
     of it, a fine-tune of `FT_FRACTION` of the steps at `FT_MULTIPLE` x seq with each scaling at that factor, then
-    evaluated at every length. Memory (`mem_len`): trained and read segment by segment. `evaluation=False`: time only."""
+    evaluated at every length. Memory (`mem_len`): trained and read segment by segment. `evaluation=False`: time only.
+    `position_kwargs`: for the position method (`'T/4'`: a quarter of `seq`). Every parameter the model shares with
+    `position='none'` starts as that model's of the same seed (`pair_init`). `device`: where it trains ('cpu', 'cuda')."""
     t_start = time.time()
     torch.set_num_threads(1)
-    from relpos.models import DecoderLM
+    dev = _device(device)
     from relpos.relative_mha import extend_position_tables
     train = torch.frombuffer(bytearray(study_text('train')), dtype=torch.uint8).long()
     val = torch.frombuffer(bytearray(study_text('val')), dtype=torch.uint8).long()
     if data_scale < 1: train, val = train[:int(len(train) * data_scale)], val[:int(len(val) * data_scale)]
+    val_sha = hashlib.sha256(bytes(val.to(torch.uint8).tolist())).hexdigest()
+    train, val = train.to(dev), val.to(dev)
     lengths = [m * seq for m in MULTIPLES]
     torch.manual_seed(seed)
-    model = DecoderLM(256, d_model=d_model, heads=heads, n_layers=n_layers, position=method, mem_len=mem_len,
-                      max_len=seq, nope_layers=tuple(nope_layers))
+    model = build_model(method, seq, d_model, heads, n_layers, mem_len, nope_layers, position_kwargs)
+    init = pair_init(model, seed, d_model, heads, n_layers, seq)
+    model.to(dev)
     segment = seq if mem_len else 0
     curve = []
     curve_fn = lambda: round(evaluate(model, val, [seq], scored, stride * 4, segment, lengths[-1])['sliding'][str(seq)], 4)
@@ -279,12 +354,14 @@ def train_run(label:str, method:str, seed:int, phase:str='main', steps:int=300, 
     every = max(1, steps // 30)   # the training curve, averaged over 30 stretches of steps (small files)
     out = {'phase': phase, 'label': label, 'method': method, 'seed': seed,
            'setting': dict(mem_len=mem_len, nope_layers=list(nope_layers), steps=steps, batch=batch, seq=seq,
-                           d_model=d_model, heads=heads, n_layers=n_layers, lr=lr, warmup=warmup),
+                           d_model=d_model, heads=heads, n_layers=n_layers, lr=lr, warmup=warmup,
+                           position_kwargs=dict(position_kwargs or {}), positions=position_record(model)),
+           'init': init, 'device': device_name(dev),
            'params': sum(p.numel() for p in model.parameters()),
            'step_time': statistics.median(times[10:] or times), 'peak_bytes': peak,
            'train_bpb': [[i + every, round(statistics.mean(losses[i:i + every]), 4)] for i in range(0, steps, every)],
            'curve': curve, 'train_seconds': round(train_seconds, 1), 'torch': torch.__version__,
-           'val_sha256': hashlib.sha256(bytes(val.to(torch.uint8).tolist())).hexdigest(),
+           'val_sha256': val_sha,
            'evals': {}, 'attention': {}}
     if not evaluation:
         out['seconds'] = round(time.time() - t_start, 1)
@@ -335,6 +412,10 @@ def settings() -> dict:
     out = {m: dict(method=m) for m in POSITIONS}
     out['rotary'] = dict(method='rotary', rope_variants=True)
     out['rotary+nope'] = dict(method='rotary', nope_layers=NOPE_LAYERS)
+    # FIRE's threshold as the paper's listing sets it (512), far above this training length: the normaliser never acts
+    out['fire+L512'] = dict(method='fire', position_kwargs={'init_L': 512.0})
+    # T5 with the paper's ratio of max_distance to training length (128 at 512): buckets that training fills
+    out['t5+quarter'] = dict(method='t5', position_kwargs={'max_distance': 'T/4'})
     out.update({f'{m}+memory': dict(method=m, mem_len=MEM_LEN) for m in POSITIONS if m != 'absolute'})
     return out
 
@@ -376,6 +457,14 @@ def all_runs(phase:str='main', seeds=None, labels=None, common=None, steps=None)
 def run_file(phase:str, label:str, seed:int, out=None) -> Path:
     return Path(out or RESULTS) / f"{phase}__{label}__seed{seed}.json"
 
+def stored_run(phase:str, kw:dict, out=None):
+    """The stored run of `kw` (`phase`, label, seed), or None: not stored, or stored with other position settings than
+    the study asks for now (`is_current`: such a run is run again, and its file replaced)."""
+    f = run_file(phase, kw['label'], kw['seed'], out)
+    if not f.exists(): return None
+    r = json.loads(f.read_text())
+    return r if is_current(r, kw) else None
+
 def load_results(path=None) -> list:
     "Every stored run (one JSON file each)."
     return [json.loads(p.read_text()) for p in sorted(Path(path or RESULTS).glob('*__seed*.json'))]
@@ -394,16 +483,92 @@ def _worker(kw:dict) -> dict:
           f"step {r['step_time'] * 1e3:.0f} ms, {r['seconds']:.0f} s", flush=True)
     return r
 
-def long_labels(results=None, top:int=3, also=('rotary', 't5', 'fire')) -> list:
-    """The runs of the `long` phase: the runs behind the `top` best labels of the main phase by protocol (b) at 8x
-    the training length, plus those of `also` not among them: `rotary` (for `rotary+yarn+ft`), and `t5` and `fire`,
-    the two learned-bias methods furthest behind at the training length after 300 steps, to see whether a longer
-    budget changes their place."""
+# ---------------------------------------------------------------------------------------------------------------
+# The timing phase: CPU time of a training step on one thread, every label interleaved, repeated
+# ---------------------------------------------------------------------------------------------------------------
+CPUTIME_FILE = 'cputime.json'
+
+def cpu_timing(labels=None, repeats:int=5, steps:int=3, warmup:int=2, common=None, log=print) -> dict:
+    """CPU time (`time.thread_time`: this thread's, so other processes' load is not counted) of a training step of
+    every label of `settings()`, on one thread, in one process: each model built and warmed up `warmup` steps, then
+    `repeats` rounds, each timing `steps` steps of every label in turn (the order rotated each round, so a slow
+    stretch of the machine falls on every label alike). Returns `{label: [seconds per step, one per round]}` and the set-up."""
+    torch.set_num_threads(1)
+    c = dict(common or COMMON)
+    spec = settings()
+    labels = list(spec) if labels is None else list(labels)
+    train = torch.frombuffer(bytearray(study_text('train')), dtype=torch.uint8).long()
+    cases = {}
+    for l in labels:
+        kw = spec[l]
+        torch.manual_seed(0)
+        model = build_model(kw['method'], c['seq'], c['d_model'], c['heads'], c['n_layers'], kw.get('mem_len', 0),
+                            kw.get('nope_layers', ()), kw.get('position_kwargs'))
+        opt = torch.optim.AdamW(model.parameters(), lr=c['lr'], betas=(0.9, 0.95), weight_decay=0.1)
+        cases[l] = dict(model=model, opt=opt, memory=None, step=0, mem=kw.get('mem_len', 0))
+    def step(case):
+        x, y = stream_batch(train, case['step'], c['batch'], c['seq'])
+        if case['mem']: logits, case['memory'] = case['model'](x, case['memory'])
+        else: logits = case['model'](x)[0]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        case['opt'].zero_grad(set_to_none=True); loss.backward()
+        torch.nn.utils.clip_grad_norm_(case['model'].parameters(), 1.0); case['opt'].step()
+        case['step'] += 1
+    for l in labels:
+        for _ in range(warmup): step(cases[l])
+    times = {l: [] for l in labels}
+    for r in range(repeats):
+        for l in labels[r % len(labels):] + labels[:r % len(labels)]:
+            t0 = time.thread_time()
+            for _ in range(steps): step(cases[l])
+            times[l].append((time.thread_time() - t0) / steps)
+        log(f"timing: round {r + 1} of {repeats} done", flush=True)
+    return {'phase': 'timing', 'clock': 'time.thread_time (CPU time of the timing thread), 1 thread',
+            'repeats': repeats, 'steps_per_repeat': steps, 'warmup_steps': warmup, 'order': 'rotated each round',
+            'setting': {k: c[k] for k in ('batch', 'seq', 'd_model', 'heads', 'n_layers')},
+            'params': {l: sum(p.numel() for p in cases[l]['model'].parameters()) for l in labels},
+            'seconds': times, 'torch': torch.__version__, 'device': device_name('cpu'),
+            'date': time.strftime('%Y-%m-%d')}
+
+def load_cputime(path=None):
+    "The stored timing phase (`CPUTIME_FILE` in the study's directory), or None."
+    f = Path(path or RESULTS) / CPUTIME_FILE
+    return json.loads(f.read_text()) if f.exists() else None
+
+def time_ratios(timing:dict, label:str, base:str='none') -> list:
+    "The CPU time of `label`'s step over `base`'s, one ratio per round (paired: the same round of the machine)."
+    t = timing['seconds']
+    if label not in t or base not in t: return []
+    return [a / b for a, b in zip(t[label], t[base])]
+
+TIMING_TOL = 0.10   # chapter 09's ratio carries no spread (the fastest of 3 rounds, 2 decimals, another model size)
+
+def timing_disagreements(results, bench_rows:dict, tol:float=TIMING_TOL) -> dict:
+    """`{label: (ratio in chapter 09's benchmark, (median, lowest, highest) here)}` for the labels of `bench_rows`
+    (`{case: time ratio}` at the study's length) whose benchmark ratio lies outside the timing phase's range +- `tol`."""
+    out = {}
+    for l, r in bench_rows.items():
+        if l == 'none' or not results.timing or l not in results.timing['seconds']: continue
+        m, lo, hi = results.time_spread(l)
+        if not lo - tol <= r <= hi + tol: out[l] = (r, (m, lo, hi))
+    return out
+
+def long_labels(results=None) -> list:
+    """The runs of the `long` phase: every base method (each entry of `POSITIONS`, as the main phase trains it), plus,
+    for each method, the run behind its best label of the main phase by protocol (b) at 8x the training length when
+    that is another run (a memory row, FIRE's or T5's variant); a variant of rotary's evaluation (`rotary+yarn+ft`) is
+    in the `rotary` run. No selection by rank: the long phase compares every method."""
+    from relpos.models import POSITIONS
     R = results or StudyResults.load()
-    L = R.long
-    ranked = [l for l in R.ranking('sliding', L) if math.isfinite(R.mean(l, L, 'sliding'))]
-    runs = list(dict.fromkeys(run_label(l) for l in ranked[:top]))
-    return runs + [l for l in also if l not in runs]
+    spec, L = settings(), R.long
+    runs = [m for m in POSITIONS if m in spec]
+    for m in runs[:]:
+        family = [l for l in R.labels if spec.get(run_label(l), {}).get('method') == m and R.runs(l)
+                  and math.isfinite(R.mean(l, L, 'sliding'))]
+        if family:
+            best = run_label(min(family, key=lambda l: R.mean(l, L, 'sliding')))
+            if best not in runs: runs.append(best)
+    return runs
 
 # ---------------------------------------------------------------------------------------------------------------
 # Reading the stored runs (the chapter and the docs home)
@@ -413,8 +578,18 @@ PROTOCOLS = {'nonoverlap': '(a) non-overlapping windows', 'sliding': f'(b) slidi
 class StudyResults:
     "The stored runs (`nbs/data/study/`) with the summaries the chapter and the docs home print."
     def __init__(self, runs:list, expected:dict=None):
-        self.all = [r for r in runs if 'error' not in r]
+        spec, current = settings(), {}
+        def stale(r):   # stored with other position settings than the study's label asks for now: not counted
+            kw = spec.get(r['label'])
+            if kw is None: return False
+            seq, mem = r['setting']['seq'], r['setting'].get('mem_len', 0)
+            if (r['label'], seq, mem) not in current:
+                current[r['label'], seq, mem] = expected_positions(kw['method'], seq, mem, kw.get('position_kwargs'))
+            return stored_positions(r) != current[r['label'], seq, mem]
+        self.stale = [r for r in runs if 'error' not in r and stale(r)]
+        self.all = [r for r in runs if 'error' not in r and not stale(r)]
         self.expected = expected or {}   # phase -> [(label, seed)] that the study runs
+        self.timing = None               # the timing phase (`cpu_timing`), set by `load`
         order = [d for l in settings() for d in derived_labels(l)]
         found = {l for r in self.all if r['phase'] != 'timing' for l in r['evals']}
         self.labels = [l for l in order if l in found] + sorted(found - set(order))
@@ -427,7 +602,10 @@ class StudyResults:
     def load(cls, path=None):
         "The stored runs in `path` (default nbs/data/study/), with the runs of the main and timing phases that are expected."
         runs = load_results(path)
-        return cls(runs, {p: [(r['label'], r['seed']) for r in all_runs(p)] for p in ('main', 'timing')})
+        R = cls([r for r in runs if r['phase'] != 'timing'], {'main': [(r['label'], r['seed']) for r in all_runs('main')]})
+        R.timing = load_cputime(path)
+        R.expected['long'] = [(r['label'], r['seed']) for r in all_runs('long', labels=long_labels(R))]
+        return R
 
     def stored(self, phase='main') -> list: return sorted({(r['label'], r['seed']) for r in self.all if r['phase'] == phase})
     def missing(self, phase='main') -> list:
@@ -436,6 +614,10 @@ class StudyResults:
 
     def coverage(self) -> str:
         "Which runs are stored, phase by phase, and which expected ones are missing, seed by seed (a sentence for the chapter)."
+        return '; '.join(self.coverage_lines()) + '.'
+
+    def coverage_lines(self) -> list:
+        "`coverage`, one phase (and the runs set aside) per item."
         out = []
         for p in PHASES:
             have, miss = self.stored(p), self.missing(p)
@@ -444,11 +626,20 @@ class StudyResults:
             by_seed = {}
             for l, k in miss: by_seed.setdefault(k, []).append(l)
             every = {l for l, _ in self.expected.get(p, [])}
-            if by_seed:
+            if by_seed and len({tuple(ls) for ls in by_seed.values()}) == 1:   # the same labels missing at every seed
+                ls = next(iter(by_seed.values()))
+                s += '; missing: ' + ('every label' if set(ls) == every else ', '.join(f'`{l}`' for l in ls)) + \
+                     f" (seed{'s' * (len(by_seed) > 1)} {', '.join(map(str, sorted(by_seed)))})"
+            elif by_seed:
                 s += '; missing: ' + '; '.join(f"seed {k}: " + ('every label' if set(ls) == every else ', '.join(f'`{l}`' for l in ls))
                                                for k, ls in sorted(by_seed.items()))
             out.append(s)
-        return '; '.join(out) + '.'
+        if self.timing: out.append(f"timing: {len(self.timing['seconds'])} labels, {self.timing['repeats']} rounds")
+        if self.stale:
+            old = sorted({(r['phase'], r['label']) for r in self.stale})
+            out.append('set aside (stored with other position settings than the study uses now): '
+                       + ', '.join(f"{p} `{l}` ({len([r for r in self.stale if (r['phase'], r['label']) == (p, l)])} runs)" for p, l in old))
+        return out
 
     def runs(self, label, phase='main') -> list:
         "Stored runs of `phase` that hold numbers for `label`, by seed."
@@ -486,19 +677,19 @@ class StudyResults:
         ls = [l for l in (labels or self.labels) if not math.isnan(self.mean(l, length, protocol, phase))]
         return sorted(ls, key=lambda l: self.mean(l, length, protocol, phase))
 
-    def step_time(self, label) -> float:
-        """Median step time of the timing phase's runs behind `label`; NaN until they are stored (the quality runs' own
-        step times, kept in each run file, were measured under whatever else the machine was running)."""
-        base = run_label(label)
-        t = [r['step_time'] for r in self.all if r['phase'] == 'timing' and r['label'] == base]
-        return statistics.median(t) if t else math.nan
+    def time_spread(self, label) -> tuple:
+        """(median, lowest, highest) over the timing phase's rounds of the CPU time of `label`'s training step over
+        `none`'s (`cpu_timing`); NaNs until it is stored. The quality runs' own step times, kept in each run file, were
+        measured under whatever else the machine was running and are not used."""
+        r = time_ratios(self.timing, run_label(label) if label in _all_derived() else label) if self.timing else []
+        return (statistics.median(r), min(r), max(r)) if r else (math.nan,) * 3
 
     def ratio_text(self, label) -> str:
-        "'1.23×' the step time of `none`, or '–' before the timing phase."
-        r = self.time_ratio(label)
-        return '–' if math.isnan(r) else f'{r:.2f}×'
+        "'1.23× (1.20–1.25)': the median ratio to `none` and its range over rounds, or '–' before the timing phase."
+        m, lo, hi = self.time_spread(label)
+        return '–' if math.isnan(m) else f'{m:.2f}× ({lo:.2f}–{hi:.2f})'
 
-    def time_ratio(self, label) -> float: return self.step_time(label) / self.step_time('none')
+    def time_ratio(self, label) -> float: return self.time_spread(label)[0]
 
     def attention(self, label, length, key='far', layer=None, phase='main'):
         "Mean over seeds (and layers, unless `layer`) of an `attention_stats` entry; NaN where not stored."
@@ -509,76 +700,144 @@ class StudyResults:
             if rows: vals.append(statistics.mean(x[key] for x in (rows if layer is None else [rows[layer]])))
         return statistics.mean(vals) if vals else math.nan
 
+    def params(self, label, phase='main') -> str:
+        "The trained model's parameter count, '–' if not run."
+        r = self.runs(label, phase) or self.runs(run_label(label) if label in _all_derived() else label, phase)
+        return f"{r[0]['params']:,}" if r and 'params' in r[0] else '–'
+
     def table(self, protocol='sliding', phase='main') -> str:
-        "Markdown: every label's bits per byte at 1x-8x the training length under `protocol`, with its seeds and step time."
-        head = ['label', 'seeds'] + [f'{L} ({L // self.seq}×)' for L in self.lengths] + ['step time vs `none`']
-        rows = [[f'`{l}`', str(len(self.runs(l, phase)))] + [self.fmt(l, L, protocol, phase) for L in self.lengths]
+        "Markdown: every label's bits per byte at 1x-8x the training length under `protocol`, with its seeds, parameters and step time."
+        head = ['label', 'seeds', 'parameters'] + [f'{L} ({L // self.seq}×)' for L in self.lengths] + ['CPU time of a step vs `none`']
+        rows = [[f'`{l}`', str(len(self.runs(l, phase))), self.params(l, phase)] + [self.fmt(l, L, protocol, phase) for L in self.lengths]
                 + [self.ratio_text(l)] for l in self.labels if self.runs(l, phase)]
         return '\n'.join(['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows])
 
+    # -- verdicts by a stated rule, on paired seed differences -----------------------------------------------------
+    def paired_differences(self, a, b, length, protocol='sliding', phase='main') -> list:
+        "`a` minus `b` in bits per byte, seed by seed, over the seeds both have numbers for (refusals left out)."
+        va = {r['seed']: r['evals'][a][protocol][str(length)] for r in self.runs(a, phase)}
+        vb = {r['seed']: r['evals'][b][protocol][str(length)] for r in self.runs(b, phase)}
+        return [va[k] - vb[k] for k in sorted(set(va) & set(vb))
+                if not isinstance(va[k], str) and not isinstance(vb[k], str)]
+
+    def judge(self, length=None, protocol='sliding', phase='main', labels=None) -> dict:
+        """`{label: (verdict, mean difference to the best, half-width of its 95% interval, pairs)}` at `length` by
+        `VERDICT_RULE`: 'best' (lowest mean), 'as good' (the interval of the paired difference with the best holds 0),
+        'worse' (it lies above 0), 'not known' (fewer than 2 paired seeds), 'refused'."""
+        length = length or self.long
+        ls = [l for l in (labels or self.labels) if self.runs(l, phase)]
+        finite = [l for l in ls if math.isfinite(self.mean(l, length, protocol, phase))]
+        out = {l: ('refused', math.nan, math.nan, 0) for l in ls if self.mean(l, length, protocol, phase) == math.inf}
+        seeded = [l for l in finite if len(self.runs(l, phase)) >= 2]   # a mean of one seed cannot be the reference
+        for l in finite:
+            if l not in seeded: out[l] = ('not known', math.nan, math.nan, len(self.runs(l, phase)))
+        if not seeded: return out
+        best = min(seeded, key=lambda l: self.mean(l, length, protocol, phase))
+        for l in seeded:
+            if l == best:
+                out[l] = ('best', 0.0, 0.0, len(self.runs(l, phase))); continue
+            d = self.paired_differences(l, best, length, protocol, phase)
+            if len(d) < 2:
+                out[l] = ('not known', statistics.mean(d) if d else math.nan, math.nan, len(d)); continue
+            m, half = statistics.mean(d), t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+            out[l] = ('as good' if m - half <= 0 else 'worse', m, half, len(d))
+        return out
+
+    def verdict_table(self, length=None, protocol='sliding', phase='main', labels=None) -> str:
+        "Markdown: each label's verdict at `length` by `VERDICT_RULE`, with its parameters, mean and paired difference; the rule below."
+        length = length or self.long
+        v = self.judge(length, protocol, phase, labels)
+        order = sorted(v, key=lambda l: (['best', 'as good', 'not known', 'worse', 'refused'].index(v[l][0]), v[l][1] if math.isfinite(v[l][1]) else 0))
+        fmt = lambda l: ('–' if v[l][0] in ('best', 'refused') else f"{v[l][1]:+.3f}" + ('' if math.isnan(v[l][2]) else f" ± {v[l][2]:.3f}") + f" ({v[l][3]})")
+        rows = [f"| `{l}` | {self.params(l, phase)} | {self.fmt(l, length, protocol, phase)} | {fmt(l)} | {v[l][0]} |" for l in order]
+        head = f"| label | parameters | bpb at {length} | difference with the best, 95% interval (pairs) | verdict |\n|---|---|---|---|---|\n"
+        return head + '\n'.join(rows) + '\n\n' + VERDICT_RULE.format(length=length, multiple=length // self.seq,
+                                                                   protocol=PROTOCOLS[protocol])
+
     def verdicts(self, phase='main') -> dict:
-        "The facts behind the 'which to use' table."
+        "The facts behind the 'which to use' table, each by `VERDICT_RULE`."
         seq, L = self.seq, self.long
         one, mem = self.one_pass(phase), self.memory_rows(phase)
         m = lambda l, n, p: self.mean(l, n, p, phase)
         # at the training length only the models as trained compete: an evaluation-time variant is the same model there,
         # and a fine-tuned one had 10% more steps
         trained = [l for l in one if l in settings()] or one
-        best_short = min(trained, key=lambda l: m(l, seq, 'nonoverlap'))
-        near = [l for l in trained if m(l, seq, 'nonoverlap') <= m(best_short, seq, 'nonoverlap') + 0.02]
-        refused = [l for l in one if m(l, L, 'sliding') == math.inf]
-        rise = {l: m(l, L, 'sliding') - m(l, seq, 'sliding') for l in one if l not in refused}
+        short = self.judge(seq, 'nonoverlap', phase, trained)
+        near = [l for l in trained if short.get(l, ('',))[0] in ('best', 'as good')]
+        best_short = next((l for l in near if short[l][0] == 'best'), None)
+        long = {p: self.judge(L, p, phase, one) for p in PROTOCOLS}
         tr = lambda l: math.inf if math.isnan(self.time_ratio(l)) else self.time_ratio(l)
-        return dict(best_short=best_short, near=near, cheapest_near=min(near, key=lambda l: (tr(l), l != best_short)),
-                    best_long={p: min(one, key=lambda l: m(l, L, p)) for p in PROTOCOLS},
+        return dict(best_short=best_short, near=near,
+                    cheapest_near=min(near, key=lambda l: (tr(l), l != best_short)) if near else None,
+                    best_long={p: next((l for l in long[p] if long[p][l][0] == 'best'), None) for p in PROTOCOLS},
+                    good_long={p: [l for l in one if long[p].get(l, ('',))[0] in ('best', 'as good')] for p in PROTOCOLS},
+                    unknown_long=[l for l in one if long['sliding'].get(l, ('',))[0] == 'not known'],
                     best_memory={p: min(mem, key=lambda l: m(l, L, p)) if mem else None for p in PROTOCOLS},
-                    refused=refused, rise=rise,
-                    worse=sorted((l for l in rise if rise[l] > 0.25), key=rise.get, reverse=True))
+                    refused=[l for l in one if long['sliding'].get(l, ('',))[0] == 'refused'],
+                    worse=[l for l in one if long['sliding'].get(l, ('',))[0] == 'worse'])
 
     def which_to_use(self) -> str:
-        "Markdown table: what to pick for which need, each row with the stored numbers it rests on."
+        "Markdown table: what to pick for which need, each row with the stored numbers it rests on, and the rule under it."
         if not self.one_pass(): return '*No run of the study is stored yet: `make study` runs it.*'
         seq, L, v = self.seq, self.long, self.verdicts()
         b = lambda l, n, p, ph='main': f"{self.mean(l, n, p, ph):.3f}"
+        names = lambda ls: ', '.join(f'`{l}`' for l in ls)
         rows = []
-        best, cheap = v['best_short'], v['cheapest_near']
-        ev = f"`{best}` {b(best, seq, 'nonoverlap')} at {seq} (protocol a)"
-        if cheap != best and self.time_ratio(cheap) < self.time_ratio(best):
-            ev += f"; `{cheap}` {b(cheap, seq, 'nonoverlap')} at {self.time_ratio(cheap):.2f}× the step time of `none` (`{best}`: {self.time_ratio(best):.2f}×)"
-        rows.append(('the best quality at the length you train on', f'`{best}`' + (f' (or `{cheap}`, cheaper)' if cheap != best and self.time_ratio(cheap) < self.time_ratio(best) else ''), ev))
-        bl = v['best_long']
-        if bl['nonoverlap'] == bl['sliding']:
-            l = bl['sliding']
-            rows.append(('texts longer than you trained on, read in one pass', f'`{l}`',
-                         f"`{l}` at {L} ({L // seq}×): {b(l, L, 'sliding')} (b), {b(l, L, 'nonoverlap')} (a); at {seq}: {b(l, seq, 'sliding')} (b)"))
-        else:
-            for p, name in (('sliding', 'each byte with the longest context (sliding window)'), ('nonoverlap', 'in consecutive windows')):
-                l, o = bl[p], bl['nonoverlap' if p == 'sliding' else 'sliding']
-                rows.append((f'texts longer than you trained on, read in one pass, {name}', f'`{l}`',
-                             f"`{l}` {b(l, L, p)} against `{o}` {b(o, L, p)} at {L} (protocol {'b' if p == 'sliding' else 'a'})"))
-        bm, bo = v['best_memory']['nonoverlap'], bl['nonoverlap']
-        if bm:
+        best, cheap, near = v['best_short'], v['cheapest_near'], v['near']
+        ev = '; '.join(f"`{l}` {b(l, seq, 'nonoverlap')}" for l in near) + f" at {seq} (protocol a)"
+        if not near: ev = 'no label has 2 seeds stored'
+        if near and cheap != best and self.time_ratio(cheap) < self.time_ratio(best):
+            ev += f"; `{cheap}` at {self.time_ratio(cheap):.2f}× the CPU time of `none` (`{best}`: {self.time_ratio(best):.2f}×)"
+        rows.append(('the best quality at the length you train on', names(near) or 'not known', ev))
+        for p, name in (('sliding', 'each byte with the longest context (sliding window)'), ('nonoverlap', 'in consecutive windows')):
+            good = v['good_long'][p]
+            rows.append((f'texts longer than you trained on, read in one pass, {name}', names(good) or 'not known',
+                         '; '.join(f"`{l}` {b(l, L, p)}" for l in good) + f" at {L} ({L // seq}×, protocol {'b' if p == 'sliding' else 'a'})"))
+        bm, bo = v['best_memory']['nonoverlap'], v['best_long']['nonoverlap']
+        if bm and bo:
             gain = self.mean(bm, L, 'nonoverlap') < self.mean(bo, L, 'nonoverlap')
             base = bm[:-len('+memory')]
             rows.append(('long texts read segment by segment',
                          f"`{base}` with `mem_len`" if gain else f"no memory: `{bo}` read in one pass",
                          f"best with memory `{bm}` {b(bm, L, 'nonoverlap')} at {L} (a), against `{base}` in one pass "
                          f"{b(base, L, 'nonoverlap')} and the best in one pass `{bo}` {b(bo, L, 'nonoverlap')}"
-                         + ('' if math.isnan(self.time_ratio(bm)) else f"; `{bm}` at {self.time_ratio(bm):.2f}× the step time of `none`")))
+                         + ('' if math.isnan(self.time_ratio(bm)) else f"; `{bm}` at {self.time_ratio(bm):.2f}× the CPU time of `none`")))
         worse, refused = v['worse'], v['refused']
         if worse or refused:
-            rows.append(('not, beyond the training length', ', '.join(f'`{l}`' for l in worse + refused),
-                         '; '.join([f"`{l}` {b(l, seq, 'sliding')} → {b(l, L, 'sliding')}" for l in worse]
-                                   + [f'`{l}` refuses longer inputs' for l in refused]) + f' ({seq} → {L}, protocol b)'))
+            rows.append((f'not, beyond the training length: worse than the best at {L // seq}×', names(worse + refused),
+                         f"worse than the best at {L} by the rule (protocol b)" + (f"; {names(refused)} refuse{'s' * (len(refused) == 1)} longer inputs" if refused else '')))
+        if v['unknown_long']:
+            rows.append(('not known yet (fewer than 2 seeds)', names(v['unknown_long']), f"at {L} (protocol b)"))
         if any(r['phase'] == 'long' for r in self.all):
-            top = self.ranking('sliding', L, 'long')
-            rows.append(('(after 4× the steps)', f'`{top[0]}`',
-                         '; '.join(f"`{l}` {b(l, L, 'sliding', 'long')}" for l in top[:4]) + f' at {L} (b), {len(self.runs(top[0], "long"))} seeds'))
+            j = self.judge(L, 'sliding', 'long')
+            good = [l for l in self.ranking('sliding', L, 'long') if j.get(l, ('',))[0] in ('best', 'as good')]
+            k = len(self.runs(good[0], 'long'))
+            rows.append(('(after 4× the steps)', names(good),
+                         '; '.join(f"`{l}` {b(l, L, 'sliding', 'long')}" for l in good) + f' at {L} (b), among '
+                         f"{len(j)} labels of the long phase, {k} seeds" + (f": with {k} seeds the rule does not tell these apart" if len(good) > 1 else '')))
         n = sorted({len(self.runs(l)) for l in self.labels})
         seeds = f"{n[0]} seed{'s' * (n[0] != 1)}" if len(n) == 1 else f"{n[0]}–{n[-1]} seeds"
         head = (f'| if you need | use | evidence (bits per byte, lower is better; mean over {seeds}; (a) every byte in '
                 f'consecutive windows, (b) sliding window) |\n|---|---|---|\n')
-        return head + '\n'.join(f'| {a} | {u} | {e} |' for a, u, e in rows)
+        rule = ("\n\n*Rule:* a row lists the best label (lowest mean among labels with 2 or more seeds) and every label whose "
+                "paired difference with it, seed by seed, has a 95% t-interval holding 0; with fewer than 2 seeds a verdict is *not known*.")
+        return head + '\n'.join(f'| {a} | {u} | {e} |' for a, u, e in rows) + rule
+
+VERDICT_RULE = ("*Rule:* at {length} ({multiple}× the training length), {protocol}: of the labels with 2 or more seeds, the "
+                "one of lowest mean is *best*; "
+                "every other label's difference with it is taken seed by seed (the same batches and, for runs that record "
+                "`init`, the same initial weights of the shared parameters); the 95% t-interval of the mean difference "
+                "holding 0 gives *as good*, lying above 0 *worse*; fewer than 2 seeds or paired seeds give *not known*.")
+
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086)
+
+def t975(df:int) -> float:
+    "Student's t quantile 0.975 for `df` degrees of freedom (1..20 tabulated; beyond, 1.96 + 2.4/df)."
+    if df < 1: raise ValueError(f"df must be >= 1, got {df}")
+    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
+
+def _all_derived() -> set: return {d for l in settings() for d in derived_labels(l)}
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -590,15 +849,25 @@ def main(argv=None):
     ap.add_argument('--steps', type=int, default=None, help=f"main phase's steps (default {COMMON['steps']}; long: 4x)")
     ap.add_argument('--labels', nargs='*', default=None, help='only these labels (default: every label of the phase)')
     ap.add_argument('--out', default=None, help='directory of the stored runs (default nbs/data/study)')
+    ap.add_argument('--repeats', type=int, default=5, help='timing phase: rounds (default 5)')
+    ap.add_argument('--device', default='cpu', help="where the runs train: 'cpu' (default) or 'cuda'; stored in each run")
     a = ap.parse_args(argv)
+    _device(a.device)
     out = Path(a.out or RESULTS)
     if a.smoke and not a.out: sys.exit('--smoke needs --out (a smoke run is never stored with the real study)')
     common = SMOKE if a.smoke else COMMON
+    if a.phase == 'timing':   # one process, one thread, every label interleaved: CPU time of a training step
+        if a.device != 'cpu': sys.exit('--phase timing measures CPU time: use --device cpu')
+        r = cpu_timing(a.labels, a.repeats, common=common)
+        write_json(out / CPUTIME_FILE, r, indent=1)
+        R = StudyResults([]); R.timing = r
+        print('\n'.join(f"{l}: {R.ratio_text(l)}" for l in r['seconds']), flush=True)
+        return
     labels = a.labels
     if a.phase == 'long' and labels is None:
         labels = long_labels(StudyResults.load(out))
-    runs = all_runs(a.phase, a.seeds, labels, common, a.steps)
-    todo = [dict(r, out_dir=str(out)) for r in runs if not run_file(a.phase, r['label'], r['seed'], out).exists()]
+    runs = [dict(r, device=a.device) for r in all_runs(a.phase, a.seeds, labels, common, a.steps)]
+    todo = [dict(r, out_dir=str(out)) for r in runs if not stored_run(a.phase, r, out)]
     if a.list:
         have = {(r['label'], r['seed']) for r in runs} - {(r['label'], r['seed']) for r in todo}
         for r in runs: print(('stored ' if (r['label'], r['seed']) in have else 'todo   ') + f"{a.phase} {r['label']} seed {r['seed']}")

@@ -138,9 +138,11 @@ def bench_table(cases:dict,         # name -> 'module:factory'
                 title:str=None,
                 clock:str='wall',   # 'wall': elapsed time; 'cpu': CPU time of this process (all its threads), which
                                     # time slices given to other jobs on a shared machine do not inflate (CPU only)
+                also:str=None,      # a second case the times are divided by too (a last column), e.g. 'rotary'
                ) -> str:            # a markdown table
-    "Time (and peak memory) of every case at every config, with ratios to `baseline` from the same run."
+    "Time (and peak memory) of every case at every config, with ratios to `baseline` (and to `also`) from the same run."
     if baseline not in cases: raise ValueError(f"baseline {baseline!r} is not one of the cases {list(cases)}")
+    if also is not None and also not in cases: raise ValueError(f"also={also!r} is not one of the cases {list(cases)}")
     clocks = {'wall': time.perf_counter, 'cpu': time.process_time}
     if clock not in clocks: raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     device = os.environ.get('RELPOS_BENCH_DEVICE') or None   # `make bench DEVICE=cuda`: every case on that device
@@ -157,13 +159,15 @@ def bench_table(cases:dict,         # name -> 'module:factory'
             try: res[name] = (t, peak_memory(spec, backward=backward, **config) if memory and isinstance(t, float) else None)
             except Exception as e: res[name] = (_error(e), None)
         bt, bm = res[baseline]
+        at = res[also][0] if also is not None else None
         for name, (t, m) in res.items():
-            if isinstance(t, str): rows.append([_fmt_config(config), name, t, '', '', '']); continue
+            extra = [] if also is None else [f"{t / at:.2f}×" if isinstance(t, float) and isinstance(at, float) else '']
+            if isinstance(t, str): rows.append([_fmt_config(config), name, t, '', '', ''] + extra); continue
             tr = f"{t / bt:.2f}×" if isinstance(bt, float) else ''
             mr = f"{m / bm:.2f}×" if m is not None and bm else ''
             rows.append([_fmt_config(config), name, f"{t * 1e3:.1f}", tr,
-                         '' if m is None else f"{m / 2**20:.0f}", mr])
-    head = ['config', 'case', 'time (ms)', f'time / {baseline}', 'peak (MiB)', f'peak / {baseline}']
+                         '' if m is None else f"{m / 2**20:.0f}", mr] + extra)
+    head = ['config', 'case', 'time (ms)', f'time / {baseline}', 'peak (MiB)', f'peak / {baseline}'] + ([f'time / {also}'] if also else [])
     lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows]
     dev = 'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
     note = (f"torch {torch.__version__}, {dev}; {'forward+backward' if backward else 'forward'}, fastest of {reps} rounds, "
@@ -187,7 +191,7 @@ def _num(s:str):
     except ValueError: return None
 
 def parse_tables(markdown:str) -> list: # one dict per table: `title`, `note`, `rows`
-    "Parse `bench_table` output (several tables allowed) back into rows of numbers; `config` 'n=256 mem=0' -> ints."
+    "Parse `bench_table` output (several tables allowed) back into rows of numbers; `config` 'n=256 mem=0' -> ints; `also_ratio`: the `also=` column."
     tables, cur = [], None
     for line in markdown.splitlines():
         line = line.strip()
@@ -201,7 +205,8 @@ def parse_tables(markdown:str) -> list: # one dict per table: `title`, `note`, `
             cur['rows'].append(dict(config={k: int(v) if v.lstrip('-').isdigit() else v for k, v in config.items()},
                                     case=cells[1], time_ms=_num(cells[2]), time_ratio=_num(cells[3]),
                                     peak_mib=_num(cells[4]) if len(cells) > 5 else None,   # tables that time only
-                                    peak_ratio=_num(cells[5]) if len(cells) > 5 else None))
+                                    peak_ratio=_num(cells[5]) if len(cells) > 5 else None,
+                                    **({'also_ratio': _num(cells[6])} if len(cells) > 6 else {})))   # `bench_table(also=)`
         elif line.startswith('torch ') and cur is not None: cur['note'] = line
     return tables
 

@@ -566,16 +566,19 @@ def cache_position_term(self:KerpleMultiHeadAttention, q, step, layer):
 @patch
 def cache_attend(self:XPosMultiHeadAttention, q, k, v, step, layer):
     "Queries and cached keys arrive rotated; pair f of each is scaled around the row's newest position c, by $\\zeta_f^{(i-c)/\\gamma}$ and $\\zeta_f^{(c-j)/\\gamma}$, then SDPA."
-    rd = self.rotary_dim
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    c = step.q_pos.amax(1, keepdim=True)                                          # [b, 1]
-    # keys after c (empty slots, keys a query may not see) get c's scale: masked anyway, and kept finite
-    k_pos = torch.minimum(step.key_positions(), c)
-    sq = xpos_scale(step.q_pos, rd, self.scale_base, self.interleaved, dtype, centre=c)[:, None]     # [b, 1, n, rd]
-    sk = 1 / xpos_scale(k_pos, rd, self.scale_base, self.interleaved, dtype, centre=c)[:, None]      # [b, 1, keys, rd]
-    q = torch.cat([q[..., :rd] * sq.to(q.dtype), q[..., rd:]], -1)
-    k = torch.cat([k[..., :rd] * sk.to(k.dtype), k[..., rd:]], -1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask(), scale=self.scale,
+    rd, d = self.rotary_dim, q.shape[-1]
+    key = ('xpos', rd, d, self.scale_base, self.interleaved, q.dtype)
+    if key not in step.memo:                        # the same scales for every layer of the step: computed once
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        c = step.q_pos.amax(1, keepdim=True)                                      # [b, 1]
+        # keys after c (empty slots, keys a query may not see) get c's scale: masked anyway, and kept finite
+        k_pos = torch.minimum(step.key_positions(), c)
+        sq = xpos_scale(step.q_pos, rd, self.scale_base, self.interleaved, dtype, centre=c)[:, None]     # [b, 1, n, rd]
+        sk = 1 / xpos_scale(k_pos, rd, self.scale_base, self.interleaved, dtype, centre=c)[:, None]      # [b, 1, keys, rd]
+        # the features after rotary_dim keep a factor 1: one product scales the whole head, no concatenation
+        step.memo[key] = tuple(F.pad(s.to(q.dtype), (0, d - rd), value=1.0) for s in (sq, sk))
+    sq, sk = step.memo[key]
+    return F.scaled_dot_product_attention(q * sq, k * sk, v, attn_mask=step.mask(), scale=self.scale,
                                           dropout_p=self.dropout.p if self.training else 0.0,
                                           enable_gqa=k.shape[1] != q.shape[1])
 

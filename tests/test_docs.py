@@ -110,12 +110,16 @@ def test_text_outputs_shown_as_text(site, nb):
         d, _src = render_docs.split_directives(''.join(c['source']))
         if d.keys() & {'hide', 'export', 'exports', 'exporti', 'hide_output'} or any(
                 render_docs._false(d.get(k, 'true')) for k in ('include', 'output')): continue
-        for o in c.get('outputs', []):
-            if o.get('output_type') == 'stream' and o.get('name') == 'stdout': t = o['text']
-            elif o.get('output_type') == 'execute_result' and set(o.get('data', {})) == {'text/plain'}: t = o['data']['text/plain']
-            else: continue
-            t = re.sub(r'\x1b\[[0-9;]*m', '', ''.join(t)).strip()
-            if t: want.append(t)
+        stdout = ''   # consecutive stdout pieces are one text on the page, as Jupyter shows them
+        for o in c.get('outputs', []) + [{}]:
+            if o.get('output_type') == 'stream' and o.get('name') == 'stdout':
+                stdout += ''.join(o['text']); continue
+            texts = [stdout] + ([o['data']['text/plain']] if o.get('output_type') == 'execute_result'
+                                and set(o.get('data', {})) == {'text/plain'} else [])
+            stdout = ''
+            for t in texts:
+                t = re.sub(r'\x1b\[[0-9;]*m', '', ''.join(t)).strip()
+                if t: want.append(t)
     if not want: pytest.skip('no text outputs')
     pres = _pre_texts((out/(nb.stem + '.html')).read_text())
     missing = [t for t in want if t not in pres]
@@ -428,7 +432,8 @@ def test_notation_table_on_docs_home():
 # symbols the notation table gives one meaning: a lesson may not use them for another
 _REDEFINED = {r'e^{i': '`i` is the query position, not the imaginary unit (write cos/sin)',
               r'\theta_d': 'the rotary frequency index is f: theta_f',
-              r'$L$': 'L is FIRE\'s threshold only; the training length is T'}
+              r'$L$': 'L is FIRE\'s threshold only; the training length is T',
+              r'h^{n': 'n is the sequence length; write a layer index as \\ell'}
 
 @pytest.mark.parametrize('nb', LESSONS, ids=lambda p: p.name)
 def test_lesson_follows_notation(nb):
@@ -545,3 +550,15 @@ def test_study_answer_current(monkeypatch):
         [c] = [c for c in _nb(nb)['cells'] if call in ''.join(c['source'])]
         [got] = [''.join(o['data']['text/markdown']) for o in c['outputs'] if 'text/markdown' in o.get('data', {})]
         assert got == want, f'{nb.name}: its study answer is stale; execute it (tools/execute_nb.py)'
+
+def test_lesson_t5_states_where_the_last_bucket_starts():
+    "The T5 chapter's idea names the first distance of the decoder's last bucket; the bucket function agrees (113, not 128)."
+    import torch
+    from relpos.t5 import relative_position_bucket
+    idea = next(''.join(c['source']) for c in _nb(ROOT/'nbs'/'08_t5.ipynb')['cells']
+                if c['cell_type'] == 'markdown' and '## The idea' in ''.join(c['source']))
+    m = re.search(r'every distance from (\d+) on shares the last one', idea)
+    assert m, 'the idea no longer says where the last bucket starts'
+    first = int(m.group(1))
+    buckets = relative_position_bucket(-torch.arange(first - 1, first + 1), bidirectional=False)
+    assert buckets.tolist() == [30, 31], f'distance {first - 1} is in bucket {buckets[0]}: the last bucket starts earlier'

@@ -14,6 +14,10 @@ V = 13
 def _lm(position='xl_paper', seed=0, **kw):
     torch.manual_seed(seed)
     kw = dict(dict(d_model=16, heads=2, n_layers=2, max_len=8, mem_len=8), **kw)
+    # FIRE's normaliser reads the query's position from the start of the keys once it is past the threshold L: a row
+    # restarted by doc_start keeps the batch's offset, so it equals a fresh call only while every position is below L
+    # (DecoderLM's default L is a quarter of max_len + mem_len, 4 here; these checks are about memories, not FIRE)
+    if position == 'fire': kw.setdefault('init_L', 512.0)
     lm = DecoderLM(V, position=position, **kw).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():   # perturb every parameter: zero-initialised tables and biases make checks vacuous
@@ -312,3 +316,52 @@ def test_initial_gates_are_rebuilt_from_the_run():
     assert S.initial_gate_local(r) == r['gate_local'] and len(r['gate_local'][0]) == 2
     R = S.MemStudyResults([dict(r, phase='long')], 'long')
     assert math.isclose(R.memory_weight('knn 4x', initial=True), R.memory_weight('knn 4x'))
+
+
+# ---------------------------------------------------------------- paired initialisation, paired differences with an interval
+def test_every_setting_of_a_seed_starts_from_the_same_shared_weights():
+    "Before pairing a kNN layer's draws moved the weights built after it; `pair_init` gives every shared parameter `none`'s."
+    size = dict(seq=16, d_model=16, heads=2, n_layers=4, position='xl_paper')
+    def built(label, paired=True):
+        torch.manual_seed(5)
+        m = S.build_model(**size, **S.settings('long')[label])
+        info = S.pair_init(m, 5, **size) if paired else None
+        return m, info
+    none = dict(built('none')[0].named_parameters())
+    unpaired = dict(built('knn 16x', paired=False)[0].named_parameters())
+    assert not torch.equal(unpaired['generator.weight'], none['generator.weight'])          # the audit's finding
+    for label in ('xl', 'knn 1x', 'knn 16x + xl', f'knn 16x layer {S.OTHER_LAYER}', 'knn 16x top-128'):
+        m, info = built(label)
+        own = set(info['own'])
+        assert own == {n for n, _ in m.named_parameters() if n.endswith(('.gate.bias', '.knn_log_scale'))}   # kNN's own only
+        for n, p in m.named_parameters():
+            if n not in own: assert torch.equal(p, none[n.replace('.module.local.', '.module.')]), (label, n)
+        assert info['tensors'] == len(none)
+
+def test_a_run_records_its_paired_initialisation():
+    tiny = dict(steps=1, batch=2, seq=16, d_model=16, heads=2, n_layers=2, position='xl_paper', lr=0.0, warmup=1,
+                eval_docs=1, eval_bytes=32, seed=1)
+    a = S.train_run(label='none', **tiny)
+    b = S.train_run(label='knn 4x', knn_mult=4, knn_layer=1, top_k=4, **tiny)
+    assert S.is_paired(a) and S.is_paired(b) and b['init']['paired_with'] == 'none'
+    assert not S.is_paired({'label': 'none', 'seed': 0})                                      # stored before pairing: rerun
+    assert S.SEEDS >= 4
+
+def test_paired_verdicts_follow_the_interval_rule():
+    late = {'none': (2.00, 2.10, 2.05, 2.20), 'knn 16x': (1.95, 2.06, 2.00, 2.14),      # -0.05, -0.04, -0.05, -0.06: better
+            'xl': (2.05, 2.05, 2.10, 2.15),                                              # +0.05, -0.05, +0.05, -0.05: no difference
+            'knn 4x': (2.10, 2.21, 2.14, 2.31)}                                          # +0.10, +0.11, +0.09, +0.11: worse
+    runs = [dict(_fake_run(l, s, v[s]), init={'paired_with': 'none'}) for l, v in late.items() for s in range(4)]
+    runs.append(dict(_fake_run('knn 64x', 0, 1.0), init={'paired_with': 'none'}))        # one seed: not known
+    R = S.MemStudyResults(runs)
+    d = [a - b for a, b in zip(late['knn 16x'], late['none'])]
+    m, half, n, paired = R.interval('knn 16x')
+    assert n == 4 and paired and math.isclose(m, sum(d) / 4, abs_tol=1e-9)
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / 3)
+    assert math.isclose(half, 3.182 * sd / 2, rel_tol=1e-9)                                 # t(0.975, 3) = 3.182
+    assert [R.paired_verdict(l) for l in ('knn 16x', 'xl', 'knn 4x', 'knn 64x')] == ['better', 'no difference', 'worse', 'not known']
+    assert R.paired_verdict('knn 1x') is None
+    assert '`knn 16x` − `none`: -0.050 ± ' in R.interval_text('knn 16x') and '(4 paired seeds)' in R.interval_text('knn 16x')
+    unpaired = S.MemStudyResults([{k: v for k, v in r.items() if k != 'init'} for r in runs])
+    assert not unpaired.interval('knn 16x')[3] and '(4 seeds)' in unpaired.interval_text('knn 16x')
+    assert '95% t-interval' in S.PAIRED_RULE

@@ -323,6 +323,21 @@ def test_cached_decoding_left_padded():
     check_left_padded_decoding(_lm('xpos', scale_base=4.0))
 
 
+@pytest.mark.parametrize('kw', [dict(), dict(rotary_dim=4)])
+def test_cached_step_scales_once_for_every_layer(monkeypatch, kw):
+    """A cached call computes the queries' and keys' scales once for all layers (they depend on the position ids alone,
+    not on the layer): 2 `xpos_scale` calls per call, not 2 per layer and call; the logits stay the full model's."""
+    import relpos.cache
+    from relpos.cache import full_logits
+    real, calls = relpos.cache.xpos_scale, []
+    monkeypatch.setattr(relpos.cache, 'xpos_scale', lambda *a, **k: calls.append(1) or real(*a, **k))
+    lm = _lm('xpos', scale_base=4.0, **kw)                         # 2 layers
+    seq = torch.randint(0, 13, (2, 10), generator=torch.Generator().manual_seed(3))
+    got = _decode(lm, seq, 4, None)                                # a prefill, then 6 one-token steps
+    assert len(calls) == 2 * 7, len(calls)
+    assert (got - full_logits(lm, seq)).abs().max() <= 1e-10
+
+
 def test_decoder_lm_position_kwargs():
     from relpos.models import DecoderLM, POSITIONS
     assert 'xpos' in POSITIONS
