@@ -336,7 +336,7 @@ def test_inline_math_has_no_big_delimiters():
 LESSONS = [ROOT/'nbs'/n for n in ('00_shift.ipynb', '01_mha.ipynb', '02_relative_mha.ipynb', '03_shaw.ipynb', '03b_bias.ipynb',
                                      '04_fourier.ipynb', '05_context_choice.ipynb', '06_rotary.ipynb', '06b_xpos.ipynb',
                                      '07_alibi.ipynb', '08_t5.ipynb', '08b_fire.ipynb', '08c_kerple.ipynb', '08d_fox.ipynb',
-                                     '08e_cope.ipynb')]
+                                     '09a_cache.ipynb', '10_memorizing.ipynb', '08e_cope.ipynb')]
 FAST_HEADING = 'Making it fast'
 MAX_PARAGRAPH_WORDS = 100
 # lab-notebook material: internal targets, tracker references, machine load, counts of repeated runs

@@ -415,7 +415,7 @@ def _(mod): return raises(lambda: _lm(mod, "rotary", norm="batch"), "norm")
 
 
 @case(*LM, "ffn unknown")
-def _(mod): return raises(lambda: _lm(mod, "rotary", ffn="geglu"), "ffn")
+def _(mod): return raises(lambda: _lm(mod, "rotary", ffn="reglu"), "ffn")
 
 
 @case(*LM, "kv_heads with a position that has none")
