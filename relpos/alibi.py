@@ -11,7 +11,7 @@ from typing import Optional, List
 import torch
 from torch import nn
 import torch.nn.functional as F
-from .mha import MultiHeadAttention, functorch_active, guard_double_backward, is_causal_mask, remember_causal, check_position_ids
+from .mha import MultiHeadAttention, functorch_active, guard_double_backward, is_causal_mask, and_causal, check_position_ids
 from fastcore.basics import patch
 from .bias import toeplitz_score_mod, _use_flex, _flex_heads
 
@@ -111,9 +111,7 @@ def check_inputs(self:ALiBiMultiHeadAttention, query, key, value, mask):
     mask = super(ALiBiMultiHeadAttention, self).check_inputs(query, key, value, mask)   # [seq_q or 1, seq_k, batch or 1, 1] or None
     if self.bidirectional: return mask
     sq, sk = query.shape[0], key.shape[0]
-    causal = torch.ones(sq, sk, dtype=torch.bool, device=self.output.weight.device).tril(sk - sq)[:, :, None, None]
-    if mask is None: remember_causal(causal, sq, sk)   # causal by construction: not compared again (on a GPU, a wait)
-    return causal if mask is None else mask & causal
+    return and_causal(mask, sq, sk, self.output.weight.device)
 
 # %% ../nbs/07_alibi.ipynb #d9624157
 _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu', None)

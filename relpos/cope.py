@@ -13,7 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from fastcore.basics import patch
-from .mha import (MultiHeadAttention, expand_kv, remember_causal, check_chunk_size, block_rows,
+from .mha import (MultiHeadAttention, expand_kv, and_causal, check_chunk_size, block_rows,
                         differentiable_backward, functorch_active)
 
 # %% ../nbs/08e_cope.ipynb #cope09
@@ -98,9 +98,7 @@ def check_inputs(self:CoPEMultiHeadAttention, query, key, value, mask):
     if sk < sq:
         raise ValueError(f"key must be at least as long as query (the queries are the last seq_len_q keys, and each "
                          f"counts the keys before it), got seq_len_q={sq}, seq_len_k={sk}")
-    causal = torch.ones(sq, sk, dtype=torch.bool, device=self.output.weight.device).tril(sk - sq)[:, :, None, None]
-    if mask is None: remember_causal(causal, sq, sk)   # causal by construction: not compared again
-    return causal if mask is None else mask & causal
+    return and_causal(mask, sq, sk, self.output.weight.device)
 
 @patch
 def check_position_ids(self:CoPEMultiHeadAttention, position_ids, query_shape, key_shape):

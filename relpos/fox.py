@@ -11,7 +11,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
-from .mha import MultiHeadAttention, check_sequence, expand_kv, guard_double_backward, is_causal_mask, remember_causal
+from .mha import MultiHeadAttention, check_sequence, expand_kv, guard_double_backward, is_causal_mask, and_causal
 
 # %% ../nbs/08d_fox.ipynb #fox09
 def forget_sums(logits:torch.Tensor, # `[..., seq]` gate logits $w_h \cdot x_t + b_h$ along the last dim
@@ -77,9 +77,7 @@ def check_inputs(self:ForgettingMultiHeadAttention, query, key, value, mask):
     if sk < sq:
         raise ValueError(f"key must be at least as long as query (the queries are the last seq_len_q keys, whose forget "
                          f"gates they read), got seq_len_q={sq}, seq_len_k={sk}")
-    causal = torch.ones(sq, sk, dtype=torch.bool, device=self.output.weight.device).tril(sk - sq)[:, :, None, None]
-    if mask is None: remember_causal(causal, sq, sk)   # causal by construction: not compared again
-    return causal if mask is None else mask & causal
+    return and_causal(mask, sq, sk, self.output.weight.device)
 
 # %% ../nbs/08d_fox.ipynb #fox22
 @patch

@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['FAST_PATH_MAX_SCORE', 'GPU_BLOCK_SCORES', 'check_sequence', 'size_or_one', 'PrepareForMultiHeadAttention',
            'MultiHeadAttention', 'expand_kv', 'check_position_ids', 'check_position_order', 'packed_causal_mask',
-           'packed_position_ids', 'is_causal_mask', 'remember_causal', 'guard_double_backward', 'scores_may_exceed',
-           'softcapped_attention', 'query_temperature', 'functorch_active', 'differentiable_backward',
-           'check_chunk_size', 'available_cpus', 'head_workers', 'run_head_groups', 'block_key_ranges', 'block_rows']
+           'packed_position_ids', 'is_causal_mask', 'remember_causal', 'and_causal', 'guard_double_backward',
+           'scores_may_exceed', 'softcapped_attention', 'query_temperature', 'functorch_active',
+           'differentiable_backward', 'check_chunk_size', 'available_cpus', 'head_workers', 'run_head_groups',
+           'block_key_ranges', 'block_rows']
 
 # %% ../nbs/01_mha.ipynb #ed119fe5
 import math, os, weakref
@@ -349,6 +350,14 @@ def remember_causal(mask:torch.Tensor, # prepared mask `[seq_q, seq_k, batch or 
     if torch.compiler.is_compiling(): return   # compiled code never asks (see `is_causal_mask`)
     known = _mask_key(mask, seq_len_q, seq_len_k)
     if known is not None: _remember(*known, True)
+
+# %% ../nbs/01_mha.ipynb #andcausal1
+def and_causal(mask:Optional[torch.Tensor], # prepared mask `[seq_q or 1, seq_k, batch or 1, 1]`, or None
+               seq_len_q:int, seq_len_k:int, device) -> torch.Tensor:
+    "`mask` and the causal mask (query i sees keys j <= i + seq_k - seq_q) of a layer that is causal by construction; alone, the causal mask is remembered as such (`remember_causal`: never compared again)."
+    causal = torch.ones(seq_len_q, seq_len_k, dtype=torch.bool, device=device).tril(seq_len_k - seq_len_q)[:, :, None, None]
+    if mask is None: remember_causal(causal, seq_len_q, seq_len_k)
+    return causal if mask is None else mask & causal
 
 # %% ../nbs/01_mha.ipynb #bd406f38
 def _refuse_graph_through_fused_sdpa(grad):

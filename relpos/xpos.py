@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import math
 import torch
 from fastcore.basics import patch
-from .mha import functorch_active
+from .mha import and_causal, functorch_active
 from .rotary import RotaryMultiHeadAttention, apply_rotary, _Rotation, _signed_sin, _check_rotary_dim
 
 # %% ../nbs/06b_xpos.ipynb #xpos07
@@ -80,8 +80,7 @@ class XPosMultiHeadAttention(RotaryMultiHeadAttention):
         "The base class's checks, then the causal mask (query i sees keys j <= i + seq_k - seq_q), with any mask given."
         mask = super().check_inputs(query, key, value, mask)     # [seq_q or 1, seq_k, batch or 1, 1] or None
         sq, sk = query.shape[0], key.shape[0]
-        causal = torch.ones(sq, sk, dtype=torch.bool, device=self.output.weight.device).tril(sk - sq)[:, :, None, None]
-        return causal if mask is None else mask & causal
+        return and_causal(mask, sq, sk, self.output.weight.device)
 
 # %% ../nbs/06b_xpos.ipynb #xpos31
 @patch
