@@ -182,29 +182,24 @@ class BloomGELU(nn.Module):
 NORMS = ('layer', 'rms')            # `DecoderLM(norm=)`: LayerNorm (labml, GPT-NeoX) or RMSNorm (LLaMA)
 FFNS = ('relu', 'gelu', 'swiglu', 'geglu', 'gelu_tanh', 'bloom_gelu')   # `DecoderLM(ffn=)`: labml's ReLU block, GELU (GPT-NeoX), gated SiLU (LLaMA), gated tanh-GELU (Gemma), GELU's tanh approximation (GPT-2, GPT-J), BLOOM's
 
-class OffsetRMSNorm(nn.RMSNorm):
-    "RMSNorm whose scale is `offset + weight` (Gemma: `1 + w`, the weight starting at 0, so that weight decay pulls the scale to 1)."
+class _ScaleOffset:
+    "A norm whose scale is `offset + weight`, starting at 1 like the plain norm's (the weight at `1 - offset`)."
     def __init__(self, d_model:int, eps:float, offset:float):
         super().__init__([d_model], eps=eps)
         self.offset = float(offset)
         self.reset_parameters()
-    def reset_parameters(self):   # the scale starts at 1, as nn.RMSNorm's: weight 1 - offset
+    def reset_parameters(self):   # also called by the norm's own __init__, before `offset` exists
         super().reset_parameters()
         with torch.no_grad(): self.weight.fill_(1.0 - getattr(self, 'offset', 0.0))
-    def forward(self, x): return F.rms_norm(x, self.normalized_shape, self.weight + self.offset, self.eps)
     def extra_repr(self): return super().extra_repr() + f", offset={self.offset}"
 
-class OffsetLayerNorm(nn.LayerNorm):
+class OffsetRMSNorm(_ScaleOffset, nn.RMSNorm):
+    "RMSNorm whose scale is `offset + weight` (Gemma: `1 + w`, the weight starting at 0, so that weight decay pulls the scale to 1)."
+    def forward(self, x): return F.rms_norm(x, self.normalized_shape, self.weight + self.offset, self.eps)
+
+class OffsetLayerNorm(_ScaleOffset, nn.LayerNorm):
     "LayerNorm whose scale is `offset + weight` (as `OffsetRMSNorm`)."
-    def __init__(self, d_model:int, eps:float, offset:float):
-        super().__init__([d_model], eps=eps)
-        self.offset = float(offset)
-        self.reset_parameters()
-    def reset_parameters(self):   # the scale starts at 1, as nn.LayerNorm's: weight 1 - offset
-        super().reset_parameters()
-        with torch.no_grad(): self.weight.fill_(1.0 - getattr(self, 'offset', 0.0))
     def forward(self, x): return F.layer_norm(x, self.normalized_shape, self.weight + self.offset, self.bias, self.eps)
-    def extra_repr(self): return super().extra_repr() + f", offset={self.offset}"
 
 def make_norm(norm:str, d_model:int, eps:float=1e-5,
               offset:float=0.0) -> nn.Module: # the norm scales by `offset + weight` (Gemma: 1); 0: `nn.LayerNorm` / `nn.RMSNorm` themselves
