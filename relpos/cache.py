@@ -58,15 +58,15 @@ class KVCache:
         _check_cache_args(attentions, batch_size, max_cache_len, dtype)
         self.batch_size, self.max_cache_len, self.dtype = batch_size, max_cache_len, dtype
         self.device = torch.device('cpu') if device is None else torch.device(device)
-        b, L = batch_size, max_cache_len
+        b, W = batch_size, max_cache_len
         self.keys, self.values = [], []
         for a in attentions:
             kv_heads, d_k, d_v = a.cache_shape()
-            self.keys.append(torch.zeros(b, kv_heads, L, d_k, dtype=dtype, device=self.device))
-            self.values.append(torch.zeros(b, kv_heads, L, d_v, dtype=dtype, device=self.device))
-        self.positions = torch.zeros(b, L, dtype=torch.long, device=self.device)  # position id of each slot
-        self.valid = torch.zeros(b, L, dtype=torch.bool, device=self.device)      # the slot holds a token this row may attend
-        self.times = torch.full((L,), -1, dtype=torch.long, device=self.device)  # which token of the stream a slot holds
+            self.keys.append(torch.zeros(b, kv_heads, W, d_k, dtype=dtype, device=self.device))
+            self.values.append(torch.zeros(b, kv_heads, W, d_v, dtype=dtype, device=self.device))
+        self.positions = torch.zeros(b, W, dtype=torch.long, device=self.device)  # position id of each slot
+        self.valid = torch.zeros(b, W, dtype=torch.bool, device=self.device)      # the slot holds a token this row may attend
+        self.times = torch.full((W,), -1, dtype=torch.long, device=self.device)  # which token of the stream a slot holds
         self.next_position = torch.zeros(b, dtype=torch.long, device=self.device) # position id of each row's next token
         self.first_time = torch.full((b,), -1, dtype=torch.long, device=self.device) # stream time of each row's first token (-1: none yet): chunks start there
         self.seen = 0           # tokens written into the stream (every row advances together)
@@ -162,15 +162,15 @@ class CacheStep:
     "What one call of a cached model shares across its layers: where the new tokens go, their position ids, and the mask and distances of the keys they attend to."
     def __init__(self, cache:KVCache, n:int, q_pos:torch.Tensor, new_valid:Optional[torch.Tensor]):
         self.cache, self.n, self.q_pos, self.new_valid = cache, n, q_pos, new_valid   # q_pos [b, n]; new_valid [b, n] or None
-        L, seen = cache.max_cache_len, cache.seen
+        W, seen = cache.max_cache_len, cache.seen
         self.mode = 'prefill' if seen == 0 else ('decode' if n == 1 else 'extend')
-        m = min(n, L)                               # the last m new tokens are written
-        first = (seen + n - m) % L                  # their first slot
-        self.write = slice(first, first + m) if first + m <= L else torch.arange(first, first + m, device=cache.device) % L
+        m = min(n, W)                               # the last m new tokens are written
+        first = (seen + n - m) % W                  # their first slot
+        self.write = slice(first, first + m) if first + m <= W else torch.arange(first, first + m, device=cache.device) % W
         self.m, self.memo, self.undo = m, {}, []     # undo: the key/value slots overwritten so far (`_write`)
         self.pattern = (None, None)                  # (window, chunk) of the layer running: set by the model per layer
         if self.mode == 'decode': self._commit_slots()   # the new key is one of the keys it attends to
-        self.length = min(seen + n, L) if self.mode == 'decode' else len(cache) + n   # keys attended (decode: filled slots)
+        self.length = min(seen + n, W) if self.mode == 'decode' else len(cache) + n   # keys attended (decode: filled slots)
 
     def _commit_slots(self):
         "Write the new tokens' position ids, validity and stream times into their slots."
@@ -265,11 +265,11 @@ def mask(self:CacheStep) -> Optional[torch.Tensor]:
             near = near.reshape(-1, 1, 1, self.length)                        # [b|1, 1, 1, keys]
             m = near if m is None else m & near
     else:   # extend: cached keys, then the new ones; causal and windowed by stream time
-        L, f = c.max_cache_len, len(c)
+        W, f = c.max_cache_len, len(c)
         t_k = torch.cat([c.times[:f], torch.arange(c.seen, c.seen + n, device=c.device)])
         t_q = torch.arange(c.seen, c.seen + n, device=c.device)
         d = t_q[:, None] - t_k[None, :]
-        m = (d < L) & self._near(t_q[:, None], t_k[None, :], w, ch)          # [n, keys] ([b, n, keys] with chunks)
+        m = (d < W) & self._near(t_q[:, None], t_k[None, :], w, ch)          # [n, keys] ([b, n, keys] with chunks)
         valid = c.valid[:, :f] if self.new_valid is None else c.valid[:, :f]
         new = torch.ones(c.batch_size, n, dtype=torch.bool, device=c.device) if self.new_valid is None else self.new_valid
         m = ((m if m.dim() == 3 else m[None]) & torch.cat([valid, new], 1)[:, None, :]) | (d == 0)[None]  # [b, n, keys], a query sees itself
@@ -279,22 +279,22 @@ def mask(self:CacheStep) -> Optional[torch.Tensor]:
 
 @patch
 def distance_index(self:CacheStep) -> torch.Tensor:
-    "`[b, 1, n, keys]`: column `d + L - 1` of a `[.., L]` distance table for distance `d = key - query` position, clamped to the table."
+    "`[b, 1, n, keys]`: column `r + W - 1` of a `[.., W]` distance table for the distance `r = key - query` position, clamped to the table."
     key = ('didx', None if self.key_index() is None else self._narrower()[0])   # the keys a windowed layer reads
     if key not in self.memo:
-        L = self.cache.max_cache_len
-        d = self.key_positions()[:, None, None, :] - self.q_pos[:, None, :, None]
-        self.memo[key] = d.clamp(-(L - 1), 0) + (L - 1)
+        W = self.cache.max_cache_len
+        r = self.key_positions()[:, None, None, :] - self.q_pos[:, None, :, None]
+        self.memo[key] = r.clamp(-(W - 1), 0) + (W - 1)
     return self.memo[key]
 
 @patch
 def prefill_mask(self:CacheStep) -> Optional[torch.Tensor]:
     "Bool `[b|1, n, n]` for the prefill: causal, windowed to `max_cache_len` and to the running layer's window and chunks, padding keys masked; None: exactly causal."
-    n, L = self.n, self.cache.max_cache_len
+    n, W = self.n, self.cache.max_cache_len
     w, ch = self._narrower()
-    if n <= L and self.new_valid is None and (w is None or n <= w) and (ch is None or n <= ch): return None
+    if n <= W and self.new_valid is None and (w is None or n <= w) and (ch is None or n <= ch): return None
     i = torch.arange(n, device=self.cache.device)
-    m = self._near(i[:, None], i[None, :], L if w is None else min(w, L), ch)
+    m = self._near(i[:, None], i[None, :], W if w is None else min(w, W), ch)
     if m.dim() == 2: m = m[None]
     if self.new_valid is not None: m = m & self.new_valid[:, None, :]
     return m
@@ -393,7 +393,7 @@ def cached_attention(self:MultiHeadAttention, x:torch.Tensor, # `[b, n, d_model]
     return self.output(out.flatten(2))
 
 def _put(K, V, w, k, v):
-    "`k`, `v` `[b, kv_heads, m, d]` into slots `w` (a slice or an index tensor) of `K`, `V` `[b, kv_heads, L, d]`, in place."
+    "`k`, `v` `[b, kv_heads, m, d]` into slots `w` (a slice or an index tensor) of `K`, `V` `[b, kv_heads, W, d]`, in place."
     if isinstance(w, slice): K[:, :, w] = k; V[:, :, w] = v
     else: K.index_copy_(2, w, k); V.index_copy_(2, w, v)
 
@@ -431,7 +431,7 @@ def _layer_tables(module, step:CacheStep, layer:int):
     return held[1]
 
 def _gather_distance(table:torch.Tensor, step:CacheStep) -> torch.Tensor:
-    "`[b, h, n, keys]` from a per-head distance table `[h, L]` (column `d + L - 1` serves distance `d`)."
+    "`[b, h, n, keys]` from a per-head distance table `[h, W]` (column `r + W - 1` serves the distance `r`)."
     idx = step.distance_index()                               # [b, 1, n, keys]
     return table[:, idx[:, 0]].transpose(0, 1)               # [h, b, n, keys] -> [b, h, n, keys]
 
@@ -467,33 +467,32 @@ def cache_attend(self:RotaryMultiHeadAttention, q, k, v, step, layer):
 
 # %% ../nbs/09a_cache.ipynb #756da015
 @patch
-def cache_tables(self:ALiBiMultiHeadAttention, L:int, dtype):
-    "`[heads, L]`: $m_h d$ for $d = -(L-1) .. 0$, as `alibi_bias` computes it (fixed slopes: no parameter)."
-    w = self.output.weight
-    bd = w.dtype if w.dtype == torch.float64 else torch.float32
-    d = torch.arange(-(L - 1), 1, device=w.device).to(bd)
-    r = -d.abs() if self.bidirectional else d
-    return alibi_slopes(self.heads, bd, w.device)[:, None] * r
+def cache_tables(self:ALiBiMultiHeadAttention, W:int, dtype):
+    "`[heads, W]`: $m_h r$ for $r = -(W-1) .. 0$, as `alibi_bias` computes it (fixed slopes: no parameter)."
+    weight = self.output.weight
+    bd = weight.dtype if weight.dtype == torch.float64 else torch.float32
+    r = torch.arange(-(W - 1), 1, device=weight.device).to(bd)        # the distances a window holds
+    return alibi_slopes(self.heads, bd, weight.device)[:, None] * (-r.abs() if self.bidirectional else r)
 
 @patch
 def cache_position_term(self:ALiBiMultiHeadAttention, q, step, layer):
     return q, _gather_distance(_layer_tables(self, step, layer), step)
 
 @patch
-def cache_tables(self:T5MultiHeadAttention, L:int, dtype):
-    "`[L]`: the bucket of each distance $-(L-1) .. 0$ (no parameter)."
-    return self.positions.bucket(torch.arange(-(L - 1), 1, device=self.positions.relative_attention_bias.weight.device))
+def cache_tables(self:T5MultiHeadAttention, W:int, dtype):
+    "`[W]`: the bucket of each distance $-(W-1) .. 0$ (no parameter)."
+    return self.positions.bucket(torch.arange(-(W - 1), 1, device=self.positions.relative_attention_bias.weight.device))
 
 @patch
 def cache_position_term(self:T5MultiHeadAttention, q, step, layer):
-    "The current table's rows for the window's buckets, `[heads, L]` (`T5RelativeBias.distance_bias` of one query after L - 1 keys)."
+    "The current table's rows for the window's buckets, `[heads, W]` (`T5RelativeBias.distance_bias` of one query after W - 1 keys)."
     return q, _gather_distance(self.positions.relative_attention_bias(_layer_tables(self, step, layer)).t(), step)
 
 @patch
 def cache_position_term(self:FourierMultiHeadAttention, q, step, layer):
     "The Fourier bias of the window's distances from the current rotation matrix (`RelativeFourierPositions.distance_table`)."
-    L = step.cache.max_cache_len
-    return q, _gather_distance(self.positions.distance_table(1, L, L - 1), step)
+    W = step.cache.max_cache_len
+    return q, _gather_distance(self.positions.distance_table(1, W, W - 1), step)
 
 # %% ../nbs/09a_cache.ipynb #864b46a5
 @patch
@@ -501,30 +500,30 @@ def cache_limit(self:RelativeMultiHeadAttention): return self.P, 'P'
 
 @patch
 def cache_distance_scores(self:RelativeMultiHeadAttention, q, step, layer):
-    "`[b, h, n, L]`: $q_i \\cdot R_d + S_d$ for every distance $d = -(L-1) .. 0$ of the window, from labml's rows `P + d` (views)."
-    L, P = step.cache.max_cache_len, self.P
-    R, S = self.key_pos_embeddings[P - L + 1:P + 1], self.key_pos_bias[P - L + 1:P + 1]    # [L, h, d_k], [L, h]
+    "`[b, h, n, W]`: $q_i \\cdot R_r + S_r$ for every distance $r = -(W-1) .. 0$ of the window, from labml's rows `P + r` (views)."
+    W, P = step.cache.max_cache_len, self.P
+    R, S = self.key_pos_embeddings[P - W + 1:P + 1], self.key_pos_bias[P - W + 1:P + 1]    # [W, h, d_k], [W, h]
     b, h, n, d = q.shape
-    # per head, all the batch's queries against the L rows at once: [h, b*n, d] @ [h, d, L] (a batched matmul of q [b, h, n, d]
-    # with R [h, d, L] would broadcast R to [b, h, d, L], a copy of the table per batch row and step)
-    qr = torch.matmul(q.transpose(0, 1).reshape(h, b * n, d), R.permute(1, 2, 0)).view(h, b, n, L).transpose(0, 1)
+    # per head, all the batch's queries against the W rows at once: [h, b*n, d] @ [h, d, W] (a batched matmul of q [b, h, n, d]
+    # with R [h, d, W] would broadcast R to [b, h, d, W], a copy of the table per batch row and step)
+    qr = torch.matmul(q.transpose(0, 1).reshape(h, b * n, d), R.permute(1, 2, 0)).view(h, b, n, W).transpose(0, 1)
     return qr + S.t()[:, None, :]
 
 @patch
 def cache_table_inputs(self:XLRelativeMultiHeadAttention): return self.pos_linear.weight, self.v
 
 @patch
-def cache_tables(self:XLRelativeMultiHeadAttention, L:int, dtype):
-    "$W_{k,R} R_{i-j}$ `[heads, L, d_k]` and $v \\cdot W_{k,R} R_{i-j}$ `[heads, L]` for distances $i - j = L-1 .. 0$: projected once per cache."
-    dist = torch.arange(L - 1, -1, -1, device=self.u.device)           # i - j, so that column c serves j - i = c - (L - 1)
+def cache_tables(self:XLRelativeMultiHeadAttention, W:int, dtype):
+    "$W_{k,R} R_{i-j}$ `[heads, W, d_k]` and $v \\cdot W_{k,R} R_{i-j}$ `[heads, W]` for distances $i - j = W-1 .. 0$: projected once per cache."
+    dist = torch.arange(W - 1, -1, -1, device=self.u.device)           # i - j, so that column c serves j - i = c - (W - 1)
     sin_dtype = torch.float64 if self.u.dtype == torch.float64 else torch.float32
-    r = self.pos_linear(sinusoid_positions(dist, self.d_model, sin_dtype).to(self.u.dtype)).view(L, self.heads, self.d_k)
+    r = self.pos_linear(sinusoid_positions(dist, self.d_model, sin_dtype).to(self.u.dtype)).view(W, self.heads, self.d_k)
     return r.transpose(0, 1), (r * self.v).sum(-1).t()
 
 @patch
 def cache_distance_scores(self:XLRelativeMultiHeadAttention, q, step, layer):
-    "`[b, h, n, L]`: $q_i \\cdot W_{k,R} R_{i-j} + v \\cdot W_{k,R} R_{i-j}$ from the projected table (`cache_tables`)."
-    R, S = _layer_tables(self, step, layer)                           # [h, L, d_k], [h, L]
+    "`[b, h, n, W]`: $q_i \\cdot W_{k,R} R_{i-j} + v \\cdot W_{k,R} R_{i-j}$ from the projected table (`cache_tables`)."
+    R, S = _layer_tables(self, step, layer)                           # [h, W, d_k], [h, W]
     b, h, n, d = q.shape
     qr = torch.matmul(q.transpose(0, 1).reshape(h, b * n, d), R.transpose(-1, -2)).view(h, b, n, R.shape[1]).transpose(0, 1)
     return qr + S[:, None, :]
@@ -532,7 +531,7 @@ def cache_distance_scores(self:XLRelativeMultiHeadAttention, q, step, layer):
 @patch
 def cache_position_term(self:RelativeMultiHeadAttention, q, step, layer):
     "Transformer-XL: content queries `q + u`; the position term $Q_i \\cdot R_{j-i} + S_{j-i}$ of the new queries' row, scaled."
-    qr = self.cache_distance_scores(q, step, layer)                   # [b, h, n, L]: every distance the window holds
+    qr = self.cache_distance_scores(q, step, layer)                   # [b, h, n, W]: every distance the window holds
     idx = step.distance_index()
     pos = qr.gather(-1, idx.expand(*qr.shape[:-1], idx.shape[-1]))   # each key's distance
     return q + self.content_bias()[:, None, :], pos * self.scale
@@ -555,9 +554,9 @@ def cache_position_term(self:FireMultiHeadAttention, q, step, layer):
 def cache_table_inputs(self:KerpleMultiHeadAttention): return self.positions.bias_p, self.positions.bias_a
 
 @patch
-def cache_tables(self:KerpleMultiHeadAttention, L:int, dtype):
-    "`[heads, L]`: the kernel at the distances $d = -(L-1) .. 0$ of the window (`KerpleBias.bias_of`)."
-    return self.positions.bias_of(torch.arange(-(L - 1), 1, device=self.positions.bias_p.device))
+def cache_tables(self:KerpleMultiHeadAttention, W:int, dtype):
+    "`[heads, W]`: the kernel at the distances $r = -(W-1) .. 0$ of the window (`KerpleBias.bias_of`)."
+    return self.positions.bias_of(torch.arange(-(W - 1), 1, device=self.positions.bias_p.device))
 
 @patch
 def cache_position_term(self:KerpleMultiHeadAttention, q, step, layer):
@@ -661,8 +660,8 @@ def cache_attend(self:RelationAwareMultiHeadAttention, q, k, v, step, layer):
     w_v = self.relative_position_v.position_embeddings.to(q.dtype)
     key = ('shaw_bucket', self.k, step.key_index() is not None and step._narrower()[0])
     if key not in step.memo:                                                          # shared by the layers with the same clip
-        L = step.cache.max_cache_len
-        step.memo[key] = (step.distance_index() - (L - 1)).clamp(-self.k, self.k) + self.k   # [b, 1, n, keys]
+        W = step.cache.max_cache_len
+        step.memo[key] = (step.distance_index() - (W - 1)).clamp(-self.k, self.k) + self.k   # [b, 1, n, keys]
     bucket = step.memo[key].expand(q.shape[0], q.shape[1], q.shape[2], -1)
     qw = torch.matmul(q, w_k.T)                                                     # [b, h, n, 2k+1]
     s = (torch.matmul(q, k.transpose(-1, -2)) + qw.gather(-1, bucket)) * self.scale
