@@ -13,7 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 from .mha import (MultiHeadAttention, functorch_active, differentiable_backward, is_causal_mask, head_workers,
-                        run_head_groups)
+                        run_head_groups, check_position_ids)
 from .bias import _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length
 
 # %% ../nbs/08b_fire.ipynb #e7cd9dc8
@@ -22,16 +22,16 @@ def fire_psi(x:torch.Tensor, c:torch.Tensor) -> torch.Tensor:
     return torch.log(torch.abs(c * x) + 1)
 
 # %% ../nbs/08b_fire.ipynb #3ae9760a
-def fire_normalized_distance(query_pos:torch.Tensor, # float `[n_q]`: absolute positions of the queries
-                             key_pos:torch.Tensor,   # float `[n_k]`: absolute positions of the keys
+def fire_normalized_distance(query_pos:torch.Tensor, # float `[n_q]` (or `[batch, n_q]`): positions of the queries
+                             key_pos:torch.Tensor,   # float `[n_k]` (or `[batch, n_k]`): positions of the keys
                              c:torch.Tensor,         # scalar: the log transform's scale
                              threshold:torch.Tensor, # scalar: L, the smallest normaliser position
                              eps:float=1e-6,         # keeps the division finite when c = 0
-                            ) -> torch.Tensor:       # `[n_q, n_k]`
+                            ) -> torch.Tensor:       # `[n_q, n_k]` (or `[batch, n_q, n_k]`)
     "$\\psi(i - j) / (\\psi(\\max(L, i)) + \\epsilon)$: the distance, log-transformed and normalised by the query's (thresholded) position."
-    num = fire_psi(query_pos[:, None] - key_pos[None, :], c)          # psi(i - j)
-    den = fire_psi(torch.maximum(query_pos, threshold), c) + eps      # psi(max(i, L)) + eps
-    return num / den[:, None]
+    num = fire_psi(query_pos[..., :, None] - key_pos[..., None, :], c)   # psi(i - j)
+    den = fire_psi(torch.maximum(query_pos, threshold), c) + eps         # psi(max(i, L)) + eps
+    return num / den[..., :, None]
 
 # %% ../nbs/08b_fire.ipynb #c2d16306
 class FireBias(nn.Module):
@@ -93,6 +93,18 @@ def forward(self:FireBias,
     x = fire_normalized_distance(pos_q, pos_k, self.c[0], self.threshold, self.eps)    # x_ij: [seq_q, seq_k]
     return self.mlp(x[..., None]).permute(2, 0, 1)[None]                               # f(x_ij)_h: [1, heads, seq_q, seq_k]
 
+# %% ../nbs/08b_fire.ipynb #f1e2a7c3
+@patch
+def from_positions(self:FireBias,
+                   position_ids:torch.Tensor, # int `[batch or 1, seq_len_k]` (or `[seq_len_k]`): the keys' positions
+                   seq_len_q:int,             # queries: the last seq_len_q keys
+                  ) -> torch.Tensor:          # `[batch or 1, heads, seq_q, seq_k]`
+    "The bias at positions read from `position_ids` (packed documents restart theirs at 0): $p_i - p_j$ and $\\psi(\\max(p_i, L))$."
+    p = check_position_ids(position_ids, position_ids.shape[-1], position_ids.shape[0] if position_ids.dim() == 2 else 1,
+                           seq_len_q=seq_len_q).to(self.mlp[0].weight.dtype)
+    x = fire_normalized_distance(p[:, p.shape[1] - seq_len_q:], p, self.c[0], self.threshold, self.eps)   # [batch, seq_q, seq_k]
+    return self.mlp(x[..., None]).permute(0, 3, 1, 2)
+
 # %% ../nbs/08b_fire.ipynb #577efa29
 class FireMultiHeadAttention(MultiHeadAttention):
     "labml-layout multi-head attention (`[seq, batch, d_model]`) whose scaled scores get FIRE's learned, progressively normalised bias."
@@ -112,25 +124,28 @@ class FireMultiHeadAttention(MultiHeadAttention):
     # long `[batch]`, or None: the key at which each row's document starts, set by `DecoderLM` while some rows start a
     # document after a memory; the normaliser max(i, L) then counts each row's query positions from there
     row_start = None
+    accepts_position_ids = True   # packed documents: the normaliser needs each document's own positions
 
-    def position_bias(self, seq_len_q:int, seq_len_k:int) -> torch.Tensor:
-        "`[1, heads, seq_q, seq_k]` (`[batch, ...]` while `row_start` is set), added after the `1/sqrt(d_k)` scaling; the last query lines up with the last key."
+    def position_bias(self, seq_len_q:int, seq_len_k:int, position_ids:Optional[torch.Tensor]=None) -> torch.Tensor:
+        "`[1, heads, seq_q, seq_k]` (`[batch or 1, ...]` with `position_ids` or while `row_start` is set), added after the `1/sqrt(d_k)` scaling; the last query lines up with the last key."
         _check_key_length(seq_len_q, seq_len_k)
-        if self.row_start is None: return self.positions(seq_len_q, seq_len_k)
-        fb, w = self.positions, self.positions.mlp[0].weight
-        pos = torch.arange(seq_len_k, device=w.device, dtype=w.dtype)
-        starts, row = torch.unique(self.row_start, return_inverse=True)   # one bias per distinct start
-        x = torch.stack([fire_normalized_distance(pos[seq_len_k - seq_len_q:] - s, pos - s, fb.c[0], fb.threshold, fb.eps)
-                         for s in starts.to(w.device, w.dtype)])
-        return fb.mlp(x[..., None]).permute(0, 3, 1, 2)[row.to(w.device)]   # [batch, heads, seq_q, seq_k]
+        if position_ids is None and self.row_start is None: return self.positions(seq_len_q, seq_len_k)
+        p = (torch.arange(seq_len_k, device=self.row_start.device)[None] if position_ids is None
+             else check_position_ids(position_ids, seq_len_k, position_ids.shape[0] if position_ids.dim() == 2 else 1))
+        if self.row_start is not None:   # each row's positions count from its document's first key
+            p = p.expand(len(self.row_start), -1)
+            p = p - p.gather(1, self.row_start.to(p.device)[:, None])
+        rows, which = torch.unique(p, dim=0, return_inverse=True)        # one bias per distinct row of positions
+        return self.positions.from_positions(rows, seq_len_q)[which]      # [batch or 1, heads, seq_q, seq_k]
 
 # %% ../nbs/08b_fire.ipynb #22b39d68
 @patch
-def attention_fast(self:FireMultiHeadAttention, query, key, value, mask):
-    "CUDA: FlexAttention with `score_mod`; no mask or the causal one: `fire_attention` (bias by blocks of rows); any other mask: the base class's SDPA with the built bias."
+def attention_fast(self:FireMultiHeadAttention, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
+    "CUDA: FlexAttention with `score_mod`; no mask or the causal one: `fire_attention` (bias by blocks of rows); any other mask, `position_ids` or per-row starts: the base class's SDPA with the built bias."
     nq, nk = query.shape[0], key.shape[0]
-    if nk < nq or self.row_start is not None:   # too few keys: raises; per-row starts: SDPA with the built bias
-        return super(FireMultiHeadAttention, self).attention_fast(query, key, value, mask)
+    if nk < nq or self.row_start is not None or position_ids is not None:   # too few keys: raises; else SDPA with the built bias
+        ids = {} if position_ids is None else {'position_ids': position_ids}
+        return super(FireMultiHeadAttention, self).attention_fast(query, key, value, mask, **ids)
     dropout_p = self.dropout.p if self.training else 0.0
     if _use_flex(query, dropout_p):           # CUDA: the formula inside FlexAttention's kernel (chapter 3b)
         return _flex_heads(query, key, value, self.score_mod(nq, nk), self.scale, mask)

@@ -212,7 +212,7 @@ def check_position_ids(self:MultiHeadAttention, position_ids, query_shape, key_s
     if position_ids is None: return None
     if not self.accepts_position_ids:
         raise TypeError(f"position_ids: {type(self).__name__} takes its positions from the sequence index; "
-                        f"position_ids are for the rotary, ALiBi and T5 layers")
+                        f"its scores depend on distances only, so packed documents need only mask=relpos.mha.packed_causal_mask(doc_ids)")
     return check_position_ids(position_ids, key_shape[0], key_shape[1], self.output.weight.device,
                               seq_len_q=query_shape[0])
 

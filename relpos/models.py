@@ -102,7 +102,7 @@ class ShawAttention(BatchFirstAttention):
     def forward(self, query, key, value, mask=None, position_ids=None):
         if position_ids is not None:
             raise TypeError("position_ids: position='shaw' takes its positions from the sequence index; "
-                            "position_ids are for the rotary, ALiBi and T5 layers")
+                            "its clipped distances need only a mask for packed documents")
         if mask is not None and mask.dim() == 2: mask = mask[None]
         return self.module(query, key, value, mask)
 

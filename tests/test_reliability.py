@@ -750,7 +750,8 @@ def _ids_call(mod, cls, position_ids, **kw):
     return lambda: m(query=q, key=kv, value=kv, position_ids=position_ids)
 
 
-for _m, _cls in (("rotary", "RotaryMultiHeadAttention"), ("alibi", "ALiBiMultiHeadAttention"), ("t5", "T5MultiHeadAttention")):
+for _m, _cls in (("rotary", "RotaryMultiHeadAttention"), ("alibi", "ALiBiMultiHeadAttention"), ("t5", "T5MultiHeadAttention"),
+                  ("fire", "FireMultiHeadAttention"), ("kerple", "KerpleMultiHeadAttention"), ("xpos", "XPosMultiHeadAttention")):
     @case(_m, _cls, "position_ids wrong length")
     def _(mod, _cls=_cls): return raises(_ids_call(mod, _cls, torch.arange(5)), "position_ids")
 
