@@ -620,10 +620,15 @@ def _needs(checks) -> list:
 
 def _plain_switches(lm:DecoderLM) -> list:
     "What LLaMA, GPT-NeoX and the older layouts lack: the switches of LLaMA's relatives (`_FAMILIES` below has them)."
+    kinds = {lm.layer_type(i) for i in range(len(lm.layers))}
+    # a window, chunks or another layer type's positions only where a layer uses them (layer_types all 'full_attention': LLaMA)
+    pattern = next((a for a in ('layer_types', 'sliding_window', 'attention_chunk_size') if getattr(lm, a) is not None),
+                   'layer_types') if kinds != {'full_attention'} else None
+    own = {k: v for k, v in (lm.layer_positions or {}).items() if k in kinds and v} or None
     return _needs([(k, getattr(lm, k), v) for k, v in (
         ('norm_offset', 0.0), ('embed_scale', None), ('score_scale', None), ('attn_softcap', None), ('logit_softcap', None),
-        ('qk_norm', None), ('pre_norm', True), ('post_norm', False), ('sliding_window', None), ('layer_types', None),
-        ('attention_chunk_size', None), ('layer_positions', None), ('query_temperature', None), ('nope_layers', ()))])
+        ('qk_norm', None), ('pre_norm', True), ('post_norm', False), ('query_temperature', None), ('nope_layers', ()))]
+        + ([(pattern, getattr(lm, pattern), None)] if pattern else []) + ([('layer_positions', own, None)] if own else []))
 
 def _attention_bias(lm:DecoderLM) -> tuple:
     "Whether the query/key/value projections and the attention's output projection have biases (None: `bias`'s value)."

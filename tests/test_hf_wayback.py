@@ -168,3 +168,16 @@ def test_every_class_has_a_way_back():
     "Every whole-model converter has a class to hand back to."
     from relpos.hf import MODEL_CONVERTERS
     assert set(MODEL_CONVERTERS) <= set(TO_TRANSFORMERS)
+
+
+def test_a_pattern_no_layer_uses_is_llamas():
+    "layer_types all 'full_attention' (a window no layer uses) is LLaMA's layer; one sliding layer is refused by LLaMA by name."
+    kw = dict(bias=False, layer_types=['full_attention'] * 3)
+    for extra in ({}, dict(sliding_window=3)):
+        lm = built({**kw, **extra})
+        back = to_hf(lm)
+        assert type(back).__name__ == 'LlamaForCausalLM'
+        x = tokens(2, 10)
+        with torch.no_grad(): assert max_err(ref_logits(back, x), lm(x)[0]) <= TOL
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM needs sliding_window=3 \(needs None\)"):
+        DecoderLM(V, d_model=16, heads=2, n_layers=1, position='rotary', norm='layer', ffn='gelu', sliding_window=3).to_transformers()
