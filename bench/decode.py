@@ -3,15 +3,20 @@
 
 - methods: `DecoderLM(position=p).generate` for every position method (batch 1 and 8): tokens/s, its ratio to rotary's
   in the same round, and the per-token time of the last 32 new tokens over the first 32.
-- transformers: a Llama and a Mistral (sliding window) of transformers built from tiny-but-not-trivial configs, and the
-  same weights converted with `DecoderLM.from_transformers`: relpos's `generate` against transformers' own
-  (`use_cache=True`, greedy), tokens/s ratio and last 32 / first 32 of each.
+- transformers: a Llama, a Mistral (sliding window) and a Gemma 3 (three sliding layers, then a global one) of
+  transformers built from tiny-but-not-trivial configs, and the same weights converted with
+  `DecoderLM.from_transformers`: relpos's `generate` against transformers' own (`use_cache=True`, greedy), tokens/s
+  ratio and last 32 / first 32 of each.
 
 Every case runs once per round, the cases of a batch interleaved (the order reversed every other round), so that a
 shared machine's slow minutes fall on all of them; each number is the median over the rounds, with the smallest and
 largest. Time is the CPU time of the process (one thread), which the time slices other jobs take do not inflate; wall
-time is stored too. Writes nbs/data/decode_bench.json with the conditions (torch, transformers, threads, date, commit)."""
-import json, statistics, subprocess, time
+time is stored too. Writes nbs/data/decode_bench.json with the conditions (torch, transformers, threads, date, commit).
+
+`python -m bench.decode --models gemma3 [--batch 1 8] [--rounds 5] [--no-methods]` runs some transformers models only
+(and the methods table unless `--no-methods`) and prints their table without storing it: the stored file holds a
+complete run only."""
+import argparse, json, statistics, subprocess, time
 from pathlib import Path
 import torch
 from relpos.models import DecoderLM, POSITIONS
@@ -19,7 +24,9 @@ import relpos.cache  # noqa: F401  (DecoderLM's cached methods)
 
 N_VOCAB, D_MODEL, HEADS, LAYERS, PROMPT, NEW = 256, 256, 4, 4, 128, 256
 EDGE = 32                    # first and last EDGE new tokens compared
-WINDOW = 128                 # Mistral's sliding window: shorter than prompt + new tokens, so the window is used
+WINDOW = 128                 # Mistral's and Gemma 3's sliding window: shorter than prompt + new tokens, so the window is used
+HF_MODELS = ('llama', 'mistral', 'gemma3')   # the transformers models of the second table
+GEMMA3_PATTERN = 4           # Gemma 3: every 4th layer global, the others sliding (of 4 layers: 3 sliding, then 1 global)
 OUT = Path(__file__).resolve().parent.parent / 'nbs' / 'data' / 'decode_bench.json'
 
 
@@ -99,28 +106,36 @@ def methods(batch_sizes=(1, 8), positions=POSITIONS, rounds=5) -> list:
     return rows
 
 
-def hf_models(vocab=1024, hidden=256, heads=8, kv_heads=2, layers=4, intermediate=688):
-    "transformers' Llama and Mistral (sliding window WINDOW) of the same tiny-but-not-trivial shape, random weights, float32."
+def hf_models(vocab=1024, hidden=256, heads=8, kv_heads=2, layers=4, intermediate=688, models=HF_MODELS):
+    """transformers' Llama, Mistral (sliding window WINDOW) and Gemma 3 (sliding window WINDOW in all layers but every
+    GEMMA3_PATTERN-th, its own rope bases) of the same tiny-but-not-trivial shape, random weights, float32; `models`: which."""
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Gemma3TextConfig,
+                              Gemma3ForCausalLM)
     transformers.logging.set_verbosity_error()
+    unknown = set(models) - set(HF_MODELS)
+    if unknown: raise ValueError(f"models: {sorted(unknown)} are not among {HF_MODELS}")
     shape = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=PROMPT + NEW,
                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    make = {'llama': lambda: LlamaForCausalLM(LlamaConfig(**shape)),
+            'mistral': lambda: MistralForCausalLM(MistralConfig(sliding_window=WINDOW, **shape)),
+            'gemma3': lambda: Gemma3ForCausalLM(Gemma3TextConfig(sliding_window=WINDOW, sliding_window_pattern=GEMMA3_PATTERN,
+                                                                 head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads,
+                                                                 **shape))}
     out = {}
-    for name, cfg, cls in (('llama', LlamaConfig(**shape), LlamaForCausalLM),
-                           ('mistral', MistralConfig(sliding_window=WINDOW, **shape), MistralForCausalLM)):
+    for name in models:
         torch.manual_seed(0)
-        hf = cls(cfg).eval()
+        hf = make[name]().eval()
         hf.generation_config.eos_token_id = hf.generation_config.pad_token_id = None   # every row runs NEW tokens
         out[name] = hf
     return out
 
 
-def transformers_table(batch_sizes=(1, 8), rounds=5) -> list:
+def transformers_table(batch_sizes=(1, 8), rounds=5, models=HF_MODELS) -> list:
     "One row per model and batch: relpos (converted) and transformers' `generate`, interleaved; ratios per round."
     rows = []
-    for name, hf in hf_models().items():
+    for name, hf in hf_models(models=models).items():
         lm = DecoderLM.from_transformers(hf).eval()
         for b in batch_sizes:
             prompt = prompt_of(b, hf.config.vocab_size)
@@ -159,21 +174,23 @@ def conditions(threads:int) -> dict:
 
 def config() -> dict:
     return dict(n_vocab=N_VOCAB, d_model=D_MODEL, heads=HEADS, n_layers=LAYERS, prompt=PROMPT, new=NEW, edge=EDGE,
-                window=WINDOW, hf=dict(vocab=1024, hidden=256, heads=8, kv_heads=2, layers=4, intermediate=688))
+                window=WINDOW, gemma3_pattern=GEMMA3_PATTERN, hf=dict(vocab=1024, hidden=256, heads=8, kv_heads=2, layers=4, intermediate=688))
 
 
-def main(batch_sizes=(1, 8), rounds=5, store=True, threads=1):
-    "Both tables, stored with their conditions; `threads` intra-op threads for the run (a decode step is many small ops)."
+def main(batch_sizes=(1, 8), rounds=5, store=True, threads=1, models=HF_MODELS, with_methods=True):
+    """Both tables, stored with their conditions; `threads` intra-op threads for the run (a decode step is many small ops).
+    `models` (some of HF_MODELS) or `with_methods=False`: a partial run, printed and never stored."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         cond = conditions(threads)
-        hf = transformers_table(batch_sizes, rounds)
-        rows = methods(batch_sizes, rounds=rounds)
+        hf = transformers_table(batch_sizes, rounds, models)
+        rows = methods(batch_sizes, rounds=rounds) if with_methods else []
     finally:
         torch.set_num_threads(before)
     result = dict(conditions=cond, config=config(), rounds=rounds, methods=rows, transformers=hf)
-    if store: OUT.write_text(json.dumps(result, indent=1))
+    complete = tuple(models) == HF_MODELS and with_methods and tuple(batch_sizes) == (1, 8)
+    if store and complete: OUT.write_text(json.dumps(result, indent=1))
     return markdown(result)
 
 
@@ -190,9 +207,11 @@ def markdown(result:dict) -> str:
     lines += [f"| {r['position']} | {r['batch']} | {_cell(r['tok_s'], '.0f')} | {_cell(r['over_rotary'], '.2f')} | "
               f"{_cell(r['last_over_first'], '.2f')} |" for r in result['methods']]
     h = cfg['hf']
+    gemma = any(r['model'] == 'gemma3' for r in result['transformers'])
+    windows = "Mistral's window" + (f" and Gemma 3's (every layer but the {cfg['gemma3_pattern']}th)" if gemma else "")
     lines += ['', f"**Converted transformers models against transformers' generate (same weights): hidden {h['hidden']}, "
-                  f"{h['heads']} heads ({h['kv_heads']} key/value), {h['layers']} layers, vocabulary {h['vocab']}; Mistral's "
-                  f"window {cfg['window']}**", '',
+                  f"{h['heads']} heads ({h['kv_heads']} key/value), {h['layers']} layers, vocabulary {h['vocab']}; {windows} "
+                  f"{cfg['window']}**", '',
               '| model | batch | relpos tok/s | transformers tok/s | relpos / transformers | last / first, relpos | '
               'last / first, transformers | same tokens |', '|---|---|---|---|---|---|---|---|']
     lines += [f"| {r['model']} | {r['batch']} | {_cell(r['relpos']['tok_s'], '.0f')} | {_cell(r['transformers']['tok_s'], '.0f')} | "
@@ -205,4 +224,10 @@ def markdown(result:dict) -> str:
 
 
 if __name__ == '__main__':
-    print(main())
+    ap = argparse.ArgumentParser(description="The decode benchmark; with --models or --no-methods a partial run, printed only.")
+    ap.add_argument('--models', nargs='+', default=list(HF_MODELS), choices=HF_MODELS, help="transformers models to compare")
+    ap.add_argument('--batch', nargs='+', type=int, default=[1, 8], help="batch sizes")
+    ap.add_argument('--rounds', type=int, default=5)
+    ap.add_argument('--no-methods', action='store_true', help="skip the table of position methods")
+    a = ap.parse_args()
+    print(main(tuple(a.batch), a.rounds, models=tuple(a.models), with_methods=not a.no_methods))

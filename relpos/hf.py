@@ -332,7 +332,6 @@ def _neox_model(model, position=None):
     cfg = model.config
     d_k = cfg.hidden_size // cfg.num_attention_heads
     _check_config(cfg.hidden_act == 'gelu', f"hidden_act={cfg.hidden_act!r} (DecoderLM's gelu is the exact GELU)", model)
-    _check_config(bool(getattr(cfg, 'attention_bias', True)), "attention_bias=False (its feed-forward keeps biases)", model)
     base, rotary_dim, rope, mpe = _config_rope(cfg, d_k)
     # GPT-NeoX: attention_dropout on the attention weights, hidden_dropout on the embeddings and both residual
     # branches (emb_dropout, post_attention_dropout, post_mlp_dropout), none inside the MLP
@@ -341,6 +340,8 @@ def _neox_model(model, position=None):
               residual_dropout=float(cfg.hidden_dropout), norm='layer', ffn='gelu', bias=True,
               head_bias=False, norm_eps=float(cfg.layer_norm_eps), parallel_residual=bool(cfg.use_parallel_residual),
               tie_embeddings=bool(cfg.tie_word_embeddings))
+    if model.gpt_neox.layers[0].attention.query_key_value.bias is None:   # attention_bias=False: the MLP keeps its biases
+        kw.update(qkv_bias=False, output_bias=False)
     pos = dict(position='rotary', base=base, rotary_dim=rotary_dim, rope_scaling=rope, max_position_embeddings=mpe)
     g = model.gpt_neox
     sd = {'src_embed.weight': g.embed_in.weight, 'norm.weight': g.final_layer_norm.weight,
@@ -366,7 +367,7 @@ SWAP_POSITIONS = ('rotary', 'none', 'alibi', 't5', 'fire')   # `position=` a con
 # reads this registry, and tests/test_hf_families.py has each of them refused
 CONFIG_REFUSALS = {
     'LlamaForCausalLM': ('hidden_act', 'partial_rotary_factor'),
-    'GPTNeoXForCausalLM': ('hidden_act', 'attention_bias'),
+    'GPTNeoXForCausalLM': ('hidden_act',),
     'MistralForCausalLM': ('hidden_act', 'partial_rotary_factor'),
     'Qwen2ForCausalLM': ('hidden_act', 'partial_rotary_factor'),
     'Qwen3ForCausalLM': ('hidden_act', 'partial_rotary_factor'),
@@ -617,6 +618,18 @@ def _needs(checks) -> list:
     "`[(name, got, wanted)]` -> the mismatches, as `name=got (needs wanted)`."
     return [f"{name}={got!r} (needs {want!r})" for name, got, want in checks if got != want]
 
+def _plain_switches(lm:DecoderLM) -> list:
+    "What LLaMA, GPT-NeoX and the older layouts lack: the switches of LLaMA's relatives (`_FAMILIES` below has them)."
+    kinds = {lm.layer_type(i) for i in range(len(lm.layers))}
+    # a window, chunks or another layer type's positions only where a layer uses them (layer_types all 'full_attention': LLaMA)
+    pattern = next((a for a in ('layer_types', 'sliding_window', 'attention_chunk_size') if getattr(lm, a) is not None),
+                   'layer_types') if kinds != {'full_attention'} else None
+    own = {k: v for k, v in (lm.layer_positions or {}).items() if k in kinds and v} or None
+    return _needs([(k, getattr(lm, k), v) for k, v in (
+        ('norm_offset', 0.0), ('embed_scale', None), ('score_scale', None), ('attn_softcap', None), ('logit_softcap', None),
+        ('qk_norm', None), ('pre_norm', True), ('post_norm', False), ('query_temperature', None), ('nope_layers', ()))]
+        + ([(pattern, getattr(lm, pattern), None)] if pattern else []) + ([('layer_positions', own, None)] if own else []))
+
 def _attention_bias(lm:DecoderLM) -> tuple:
     "Whether the query/key/value projections and the attention's output projection have biases (None: `bias`'s value)."
     return tuple(lm.bias if b is None else b for b in (lm.qkv_bias, lm.output_bias))
@@ -630,7 +643,8 @@ def _llama_problems(lm:DecoderLM, attn, ignore_dropout:bool) -> list:
     return _needs(checks)
 
 def _neox_problems(lm:DecoderLM, attn, ignore_dropout:bool) -> list:
-    checks = [('norm', lm.norm_kind, 'layer'), ('ffn', lm.ffn_kind, 'gelu'), ('bias', lm.bias, True),
+    qkv, out = _attention_bias(lm)   # GPT-NeoX's attention_bias: q/k/v and output together; its MLP always has biases
+    checks = [('norm', lm.norm_kind, 'layer'), ('ffn', lm.ffn_kind, 'gelu'), ('bias', lm.bias, True), ('output_bias', out, qkv),
               ('head_bias', lm.generator.bias is not None, False), ('kv_heads', attn.kv_heads, attn.heads),
               ('head_dim', attn.d_k, lm.d_model // lm.heads), ('interleaved', attn.interleaved, False),
               # transformers rotates int(head_dim * rotary_pct) features: the fraction must give rotary_dim back
@@ -663,13 +677,14 @@ def _fuse_qkv(a) -> tuple:
     "Inverse of `_split_fused`: relpos's query/key/value projections -> GPT-NeoX's `query_key_value` (rows per head `[q, k, v]`)."
     h, dk = a.heads, a.d_k
     w = torch.stack([l.linear.weight.view(h, dk, -1) for l in (a.query, a.key, a.value)], 1).reshape(3 * h * dk, -1)
+    if a.query.linear.bias is None: return w, None
     b = torch.stack([l.linear.bias.view(h, dk) for l in (a.query, a.key, a.value)], 1).reshape(-1)
     return w, b
 
 def _neox_target(lm:DecoderLM, attn, T):
     "GPTNeoXForCausalLM: its config keywords and its state_dict from `lm` (the output layer's name is read from the model)."
     cfg = dict(vocab_size=lm.n_vocab, hidden_size=lm.d_model, intermediate_size=lm.d_ff, num_hidden_layers=len(lm.layers),
-               num_attention_heads=lm.heads, hidden_act='gelu', layer_norm_eps=lm.norm_eps, attention_bias=True,
+               num_attention_heads=lm.heads, hidden_act='gelu', layer_norm_eps=lm.norm_eps, attention_bias=_attention_bias(lm)[0],
                attention_dropout=lm.attention_dropout, hidden_dropout=lm.residual_dropout,
                use_parallel_residual=lm.parallel_residual, tie_word_embeddings=lm.tie_embeddings,
                **_rope_kwargs(attn, partial=True))
@@ -677,7 +692,9 @@ def _neox_target(lm:DecoderLM, attn, T):
           'gpt_neox.final_layer_norm.bias': lm.norm.bias, None: lm.generator.weight}   # None: the output layer
     for i, l in enumerate(lm.layers):
         p, a = f'gpt_neox.layers.{i}.', l.self_attn.module
-        sd[p + 'attention.query_key_value.weight'], sd[p + 'attention.query_key_value.bias'] = _fuse_qkv(a)
+        w, b = _fuse_qkv(a)
+        sd[p + 'attention.query_key_value.weight'] = w
+        if b is not None: sd[p + 'attention.query_key_value.bias'] = b
         for theirs, ours in (('input_layernorm', l.norm_self_attn), ('post_attention_layernorm', l.norm_ff),
                              ('attention.dense', a.output), ('mlp.dense_h_to_4h', l.feed_forward.layer1),
                              ('mlp.dense_4h_to_h', l.feed_forward.layer2)):
@@ -693,24 +710,20 @@ def decoder_to_transformers(lm:DecoderLM,           # a model whose layout a cla
                             ignore_dropout:bool=False, # convert although transformers' class drops out in fewer places (same eval logits)
                             **token_ids,               # `bos_token_id`, `eos_token_id`, `pad_token_id` for the config (default: none)
                            ) -> nn.Module:             # a transformers causal LM with the same logits, in `lm`'s dtype, device and mode
-    "The transformers causal LM with `lm`'s architecture and weights: rotary + RMSNorm + SwiGLU -> LLaMA, rotary + LayerNorm + GELU -> GPT-NeoX (or GPT-J, Falcon), absolute -> GPT-2, ALiBi -> BLOOM."
+    "The transformers causal LM with `lm`'s architecture and weights: rotary + RMSNorm + SwiGLU -> LLaMA (or the relative with its switches: Mistral, Qwen2, Qwen3, OLMo 2, Phi-3, Gemma 1-3, SmolLM3, Llama 4), rotary + LayerNorm + GELU -> GPT-NeoX (or GPT-J, Falcon), absolute -> GPT-2, ALiBi -> BLOOM."
     T = _transformers()
     unknown = sorted(set(token_ids) - {'bos_token_id', 'eos_token_id', 'pad_token_id'})
     if unknown: raise TypeError(f"to_transformers: unexpected keyword(s) {unknown}; it takes bos_token_id, eos_token_id, pad_token_id")
     name = lm.position if isinstance(lm.position, str) else getattr(lm.position, '__name__', 'custom builder')
     targets = ', '.join(TO_TRANSFORMERS)
-    for arg in ('memorizing_layers', 'nope_layers'):
-        if getattr(lm, arg): raise ValueError(f"to_transformers: {arg}={getattr(lm, arg)} has no counterpart in {targets}")
+    if lm.memorizing_layers:
+        raise ValueError(f"to_transformers: memorizing_layers={lm.memorizing_layers} has no counterpart in {targets}")
     own = {cls: TO_TRANSFORMERS_POSITIONS.get(cls, 'rotary') for cls in TO_TRANSFORMERS}   # each class's position method
-    attn = lm.layers[0].self_attn.module
+    attn = lm.layers[next((i for i in range(len(lm.layers)) if i not in lm.nope_layers), 0)].self_attn.module   # not a NoPE layer
     if name not in own.values() or (name == 'rotary') != isinstance(attn, RotaryMultiHeadAttention):
         raise ValueError(f"to_transformers: position={name!r} has no transformers counterpart: the decoder classes relpos can "
                          f"build ({targets}) use {', '.join(map(repr, sorted(set(own.values()))))} positions")
-    # Gemma's switches and per-layer patterns: no target class has them
-    shared = _needs([(k, getattr(lm, k), v) for k, v in (('norm_offset', 0.0), ('embed_scale', None), ('score_scale', None),
-                     ('attn_softcap', None), ('logit_softcap', None), ('layer_types', None), ('attention_chunk_size', None),
-                     ('layer_positions', None))])
-    problems = {cls: shared + check(lm, attn, ignore_dropout) for cls, (check, _) in TO_TRANSFORMERS.items() if own[cls] == name}
+    problems = {cls: check(lm, attn, ignore_dropout) for cls, (check, _) in TO_TRANSFORMERS.items() if own[cls] == name}
     cls = next((c for c, p in problems.items() if not p), None)
     if cls is None:
         raise ValueError("to_transformers: no transformers class expresses this DecoderLM: " +
@@ -738,9 +751,7 @@ TO_TRANSFORMERS_POSITIONS = {'GPT2LMHeadModel': 'absolute', 'BloomForCausalLM': 
 
 def _common(lm:DecoderLM, attn, ignore_dropout:bool, **switches) -> list:
     "The settings these four classes share: pre-norm LayerNorm blocks, no q/k norms, no window; `switches`: their own values."
-    checks = [('norm', lm.norm_kind, 'layer'), ('pre_norm', lm.pre_norm, True), ('post_norm', lm.post_norm, False),
-              ('qk_norm', lm.qk_norm, None), ('sliding_window', lm.sliding_window, None),
-              ('head_dim', attn.d_k, lm.d_model // lm.heads)]
+    checks = [('norm', lm.norm_kind, 'layer'), ('head_dim', attn.d_k, lm.d_model // lm.heads)]
     default = dict(embedding_norm=False, shared_norm=False, parallel_residual=False, head_bias=False,
                    bias=True, qkv_bias=None, output_bias=None, kv_heads=attn.heads)
     got = dict(embedding_norm=lm.embedding_norm, shared_norm=lm.shared_norm, parallel_residual=lm.parallel_residual,
@@ -751,7 +762,7 @@ def _common(lm:DecoderLM, attn, ignore_dropout:bool, **switches) -> list:
         if callable(want): checks.append((k, got[k], got[k] if want(got[k]) else f"{want.__doc__}"))
         else: checks.append((k, got[k], want))
     if not ignore_dropout: checks.append(('ffn_dropout', lm.ffn_dropout, 0.0))
-    return _needs(checks)
+    return _plain_switches(lm) + _needs(checks)
 
 def _gpt2_problems(lm, attn, ignore_dropout):
     return _common(lm, attn, ignore_dropout) + _needs([('ffn', lm.ffn_kind, lm.ffn_kind if lm.ffn_kind in ('gelu', 'gelu_tanh') else 'gelu_tanh')])
@@ -863,8 +874,186 @@ def _no_classic_switches(check, output_bias:bool=False):
     def problems(lm, attn, ignore_dropout):
         checks = [('embedding_norm', lm.embedding_norm, False), ('shared_norm', lm.shared_norm, False)]
         if not output_bias: checks.append(('output_bias', None if lm.output_bias == lm.bias else lm.output_bias, None))
-        return check(lm, attn, ignore_dropout) + _needs(checks)
+        return _plain_switches(lm) + check(lm, attn, ignore_dropout) + _needs(checks)
     return problems
-for _cls in ('LlamaForCausalLM', 'GPTNeoXForCausalLM'):   # LLaMA: attention_bias apart from mlp_bias
-    TO_TRANSFORMERS[_cls] = (_no_classic_switches(TO_TRANSFORMERS[_cls][0], _cls == 'LlamaForCausalLM'), TO_TRANSFORMERS[_cls][1])
+for _cls in ('LlamaForCausalLM', 'GPTNeoXForCausalLM'):   # attention_bias apart from mlp_bias (LLaMA) or the MLP's own (GPT-NeoX)
+    TO_TRANSFORMERS[_cls] = (_no_classic_switches(TO_TRANSFORMERS[_cls][0], True), TO_TRANSFORMERS[_cls][1])
 
+
+# %% ../nbs/12_hf.ipynb #wayback1
+# The way back for LLaMA's relatives. Each class is LLaMA's layer with some of `DecoderLM`'s switches: `_FAMILIES` says
+# which, and a model goes to the first class whose switches cover what it uses (not to the class it came from)
+_PLAIN_LLAMA = dict(ffn='swiglu', gemma=False, pre_norm=True, post_norm=False, qk_norm=(None,), bias='attention',
+                    layer_types=('full_attention',), uniform=True, nope=False, partial=False, interleaved=False,
+                    rope_per_type=False, score_scale=False, attn_softcap=False, logit_softcap=False, llama4=False,
+                    residual_dropout=False)
+_FAMILIES = {   # class: (config class, the switches it has beyond LLaMA's, or the LLaMA ones it lacks)
+    'MistralForCausalLM': ('MistralConfig', dict(bias='none', layer_types=('full_attention', 'sliding_attention'))),
+    'Qwen2ForCausalLM': ('Qwen2Config', dict(bias='qkv', layer_types=('full_attention', 'sliding_attention'), uniform=False)),
+    'Qwen3ForCausalLM': ('Qwen3Config', dict(qk_norm=('head',), layer_types=('full_attention', 'sliding_attention'), uniform=False)),
+    'Olmo2ForCausalLM': ('Olmo2Config', dict(qk_norm=('full',), pre_norm=False, post_norm=True)),
+    'Phi3ForCausalLM': ('Phi3Config', dict(bias='none', partial=True, layer_types=('full_attention', 'sliding_attention'),
+                                           residual_dropout=True)),
+    'GemmaForCausalLM': ('GemmaConfig', dict(ffn='geglu', gemma=True)),
+    'Gemma2ForCausalLM': ('Gemma2Config', dict(ffn='geglu', gemma=True, post_norm=True, score_scale=True, attn_softcap=True,
+                                               logit_softcap=True, layer_types=('full_attention', 'sliding_attention'), uniform=False)),
+    'Gemma3ForCausalLM': ('Gemma3TextConfig', dict(ffn='geglu', gemma=True, post_norm=True, score_scale=True, qk_norm=('head',),
+                                                   logit_softcap=True, rope_per_type=True, uniform=False,
+                                                   layer_types=('full_attention', 'sliding_attention'))),
+    'SmolLM3ForCausalLM': ('SmolLM3Config', dict(bias='any', nope=True, layer_types=('full_attention', 'sliding_attention'),
+                                                 uniform=False)),
+    'Llama4ForCausalLM': ('Llama4TextConfig', dict(interleaved=True, nope=True, llama4=True, uniform=False,
+                                                   layer_types=('full_attention', 'chunked_attention'))),
+}
+
+def _layer_specs(lm:DecoderLM) -> list:
+    "Each layer's `(layer type, rope, qk_norm, query_temperature)`; rope: `(base, rotary_dim, rope_scaling, interleaved)`, None in a NoPE layer, 'other' for another position method."
+    out = []
+    for i, l in enumerate(lm.layers):
+        kind, a = lm.layer_type(i), l.self_attn.module
+        own = (lm.layer_positions or {}).get(kind, {})
+        rope = None if i in lm.nope_layers else (a.base, a.rotary_dim, a.rope_scaling, a.interleaved) \
+            if isinstance(a, RotaryMultiHeadAttention) else 'other'
+        out.append((kind, rope, own.get('qk_norm', lm.qk_norm), own.get('query_temperature', lm.query_temperature)))
+    return out
+
+def _scalar(x:float) -> Optional[int]:
+    "Gemma 2/3's integer query_pre_attn_scalar n whose n ** -0.5 is the score scale `x`, or None."
+    n = round(x ** -2)
+    return n if n >= 1 and abs(n ** -0.5 - x) <= 1e-12 * x else None
+
+def _family_problems(spec:dict):
+    "The check of a class of `_FAMILIES`: `name=value (needs ...)` for each switch of `lm` the class does not have."
+    s = {**_PLAIN_LLAMA, **spec}
+    def problems(lm:DecoderLM, attn, ignore_dropout:bool) -> list:
+        layers = _layer_specs(lm)
+        kinds, ropes = [k for k, *_ in layers], [r for _, r, *_ in layers]
+        qkv, out = _attention_bias(lm)
+        sqrt_d = math.sqrt(lm.d_model)   # Gemma's embeddings are times sqrt(hidden_size) (float32's when converted from float32)
+        gemma_scale = lm.embed_scale is not None and abs(lm.embed_scale - sqrt_d) <= 1e-6 * sqrt_d
+        checks = [('norm', lm.norm_kind, 'rms'), ('ffn', lm.ffn_kind, s['ffn']), ('parallel_residual', lm.parallel_residual, False),
+                  ('head_bias', lm.generator.bias is not None, False), ('embedding_norm', lm.embedding_norm, False),
+                  ('shared_norm', lm.shared_norm, False), ('pre_norm', lm.pre_norm, s['pre_norm']),
+                  ('post_norm', lm.post_norm, s['post_norm']), ('norm_offset', lm.norm_offset, 1.0 if s['gemma'] else 0.0),
+                  ('embed_scale', lm.embed_scale, (lm.embed_scale if gemma_scale else sqrt_d) if s['gemma'] else None)]
+        bias = {'attention': [('output_bias', out, qkv), ('bias', lm.bias, False)], 'any': [('output_bias', out, qkv)],
+                'none': [('qkv_bias', qkv, False), ('output_bias', out, False), ('bias', lm.bias, False)],
+                'qkv': [('qkv_bias', qkv, True), ('output_bias', out, False), ('bias', lm.bias, False)]}[s['bias']]
+        checks += bias
+        if not s['score_scale']: checks.append(('score_scale', lm.score_scale, None))
+        elif lm.score_scale is not None and _scalar(lm.score_scale) is None:
+            checks.append(('score_scale', lm.score_scale, 'n ** -0.5 for an integer n (query_pre_attn_scalar)'))
+        for k in ('attn_softcap', 'logit_softcap'):
+            if not s[k]: checks.append((k, getattr(lm, k), None))
+        # the layer pattern: its types, one window (a uniform one unless the class has layer_types), NoPE layers
+        if not set(kinds) <= set(s['layer_types']) or (s['uniform'] and len(set(kinds)) > 1):
+            checks.append(('layer_types', list(kinds), f"{'one of ' if s['uniform'] else 'layers of '}{s['layer_types']}"))
+        if not s['nope']: checks.append(('nope_layers', lm.nope_layers, ()))
+        rotary = [r for r in ropes if r is not None]
+        if 'other' in rotary or not rotary:
+            checks.append(('layer_positions', lm.layer_positions, "rotary positions in every layer but the NoPE ones"))
+        else:
+            by_kind = {k: {repr(r) for k2, r, *_ in layers if k2 == k and r is not None} for k in set(kinds)}
+            if (len(set(map(repr, rotary))) > 1 and not s['rope_per_type']) or any(len(v) > 1 for v in by_kind.values()):
+                checks.append(('layer_positions', lm.layer_positions, 'one rope for every layer' if not s['rope_per_type']
+                               else 'one rope per layer type'))
+            base, rotary_dim, scaling, interleaved = rotary[0]
+            checks += [('interleaved', interleaved, s['interleaved'])]
+            if not s['partial']: checks.append(('rotary_dim', rotary_dim, attn.d_k))
+        qks, temps = [q for *_, q, _ in layers], [t for *_, t in layers]
+        if s['llama4']:   # a q/k norm only in rotary layers, one temperature only in NoPE layers
+            rope_qk = {q for q, r in zip(qks, ropes) if r is not None}
+            nope_qk = {q for q, r in zip(qks, ropes) if r is None}
+            if not (rope_qk <= {None, 'head_unscaled'} and len(rope_qk) <= 1 and nope_qk <= {None}):
+                checks.append(('qk_norm', sorted(map(repr, set(qks))), "'head_unscaled' or None in the rotary layers, None in the NoPE ones"))
+            nope_t = {t for t, r in zip(temps, ropes) if r is None}
+            if {t for t, r in zip(temps, ropes) if r is not None} - {None} or len(nope_t) > 1 or any(
+                    t is not None and t[0] != int(t[0]) for t in nope_t):
+                checks.append(('query_temperature', sorted(map(repr, set(temps))), "None in the rotary layers, one "
+                               "(integer floor_scale, attn_scale) in the NoPE ones"))
+        else:
+            if not set(qks) <= set(s['qk_norm']): checks.append(('qk_norm', sorted(set(qks), key=repr)[0] if len(set(qks)) == 1
+                                                                  else sorted(map(repr, set(qks))), s['qk_norm'][0]))
+            checks.append(('query_temperature', sorted(set(temps), key=repr)[0] if len(set(temps)) == 1 else list(temps), None))
+        if not ignore_dropout:   # LLaMA drops its attention weights only; Phi-3 its branches too, not its embeddings
+            checks.append(('ffn_dropout', lm.ffn_dropout, 0.0))
+            if s['residual_dropout']: checks.append(('embedding_dropout', lm.embedding_dropout, 0.0))
+            else: checks.append(('residual_dropout', lm.residual_dropout, 0.0))
+        return _needs(checks)
+    return problems
+
+def _family_state(lm:DecoderLM, fused:bool=False, mlp:str='mlp') -> dict:
+    "The state_dict of LLaMA's layout (`model.layers.i.self_attn.q_proj`, ...) from `lm`; `fused`: Phi-3's `qkv_proj`, `gate_up_proj`; `mlp`: Llama 4's `feed_forward`."
+    sd = {'model.embed_tokens.weight': lm.src_embed.weight, 'model.norm.weight': lm.norm.weight, None: lm.generator.weight}
+    for i, l in enumerate(lm.layers):
+        p, a, f = f'model.layers.{i}.', l.self_attn.module, l.feed_forward
+        qkv = (a.query.linear, a.key.linear, a.value.linear)
+        if fused: sd[p + 'self_attn.qkv_proj.weight'] = torch.cat([x.weight for x in qkv])   # rows: q, k, v (no biases)
+        else:
+            for theirs, ours in zip(('q_proj', 'k_proj', 'v_proj'), qkv): _linear_weights(sd, p + 'self_attn.' + theirs, ours)
+        _linear_weights(sd, p + 'self_attn.o_proj', a.output)
+        for theirs, ours in (('q_norm', a.query), ('k_norm', a.key)):
+            if getattr(getattr(ours, 'norm', None), 'weight', None) is not None: sd[p + f'self_attn.{theirs}.weight'] = ours.norm.weight
+        if fused: sd[p + 'mlp.gate_up_proj.weight'] = torch.cat([f.gate.weight, f.layer1.weight])   # gate rows first
+        else:
+            for theirs, ours in (('gate_proj', f.gate), ('up_proj', f.layer1)): _linear_weights(sd, f'{p}{mlp}.{theirs}', ours)
+        _linear_weights(sd, f'{p}{mlp}.down_proj', f.layer2)
+        # pre-norm: input_layernorm, post_attention_layernorm (LLaMA); with post-norms too: Gemma 2's four; post-norms only: OLMo 2's two
+        norms = {(True, False): (('input_layernorm', l.norm_self_attn), ('post_attention_layernorm', l.norm_ff)),
+                 (True, True): (('input_layernorm', l.norm_self_attn), ('pre_feedforward_layernorm', l.norm_ff),
+                                ('post_attention_layernorm', l.post_norm_self_attn), ('post_feedforward_layernorm', l.post_norm_ff)),
+                 (False, True): (('post_attention_layernorm', l.post_norm_self_attn), ('post_feedforward_layernorm', l.post_norm_ff))}
+        for theirs, ours in norms[(lm.pre_norm, lm.post_norm)]: sd[p + theirs + '.weight'] = ours.weight
+    return sd
+
+def _rope_params(a:RotaryMultiHeadAttention, partial:bool=False) -> dict:
+    "transformers 5's `rope_parameters` of one rotary attention."
+    return _rope_kwargs(a, partial)['rope_parameters']
+
+def _family_target(cls:str):
+    "The builder of a class of `_FAMILIES`: its config keywords and state_dict from `lm`."
+    config_name, spec = _FAMILIES[cls]
+    s = {**_PLAIN_LLAMA, **spec}
+    def target(lm:DecoderLM, attn, T):
+        if int(T.__version__.split('.')[0]) < 5:
+            raise ValueError(f"to_transformers: {cls} is built from transformers 5's config (rope_parameters); this is "
+                             f"transformers {T.__version__}: pip install -U transformers")
+        layers = _layer_specs(lm)
+        kinds, ropes = [k for k, *_ in layers], [r for _, r, *_ in layers]
+        qkv, out = _attention_bias(lm)
+        cfg = dict(vocab_size=lm.n_vocab, hidden_size=lm.d_model, intermediate_size=lm.d_ff, num_hidden_layers=len(lm.layers),
+                   num_attention_heads=lm.heads, num_key_value_heads=attn.kv_heads, head_dim=attn.d_k, rms_norm_eps=lm.norm_eps,
+                   attention_dropout=lm.attention_dropout, tie_word_embeddings=lm.tie_embeddings,
+                   rope_parameters=_rope_params(attn, s['partial']))
+        cfg['hidden_activation' if cls in ('Gemma2ForCausalLM', 'Gemma3ForCausalLM') else 'hidden_act'] = (
+            'silu' if s['ffn'] == 'swiglu' else 'gelu_pytorch_tanh')
+        if s['bias'] in ('attention', 'any'): cfg['attention_bias'] = qkv
+        if s['bias'] == 'any': cfg['mlp_bias'] = lm.bias
+        if 'original_max_position_embeddings' in cfg['rope_parameters']:   # Phi-3 reads longrope's from the config too
+            cfg['original_max_position_embeddings'] = cfg['rope_parameters']['original_max_position_embeddings']
+        if s['residual_dropout']: cfg.update(resid_pdrop=lm.residual_dropout, embd_pdrop=0.0)
+        window = lm.sliding_window if 'sliding_attention' in kinds else None
+        if cls in ('MistralForCausalLM', 'Phi3ForCausalLM'): cfg['sliding_window'] = window
+        if cls in ('Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'SmolLM3ForCausalLM'):
+            cfg.update(use_sliding_window=window is not None, sliding_window=window, layer_types=kinds, max_window_layers=0)
+        if cls in ('Gemma2ForCausalLM', 'Gemma3ForCausalLM'):
+            cfg.update(layer_types=kinds, sliding_window=window or lm.max_len or 4096, final_logit_softcapping=lm.logit_softcap,
+                       query_pre_attn_scalar=attn.d_k if lm.score_scale is None else _scalar(lm.score_scale))
+        if cls == 'Gemma2ForCausalLM':
+            cfg['attn_logit_softcapping'] = lm.attn_softcap
+            if lm.attn_softcap is not None: cfg['attn_implementation'] = 'eager'   # transformers' SDPA path drops the cap
+        if cls == 'Gemma3ForCausalLM':   # its rope per layer type; a type the model lacks takes the other's
+            mods = {k: next(l.self_attn.module for l, k2 in zip(lm.layers, kinds) if k2 == k) for k in set(kinds)}
+            cfg['rope_parameters'] = {k: _rope_params(mods.get(k, attn)) for k in ('full_attention', 'sliding_attention')}
+        if cls in ('SmolLM3ForCausalLM', 'Llama4ForCausalLM'): cfg['no_rope_layers'] = [int(r is not None) for r in ropes]
+        if cls == 'Llama4ForCausalLM':
+            temp = next((t for (*_, t), r in zip(layers, ropes) if r is None and t is not None), None)   # the NoPE layers'
+            floor, scale = temp or (8192, 0.1)
+            cfg.update(intermediate_size_mlp=lm.d_ff, moe_layers=[], layer_types=kinds, attention_chunk_size=lm.attention_chunk_size,
+                       use_qk_norm=any(q == 'head_unscaled' for _, _, q, _ in layers), attn_temperature_tuning=temp is not None,
+                       floor_scale=int(floor), attn_scale=float(scale))
+        sd = _family_state(lm, fused=cls == 'Phi3ForCausalLM', mlp='feed_forward' if cls == 'Llama4ForCausalLM' else 'mlp')
+        return getattr(T, config_name), getattr(T, cls), cfg, sd
+    return target
+
+TO_TRANSFORMERS.update({cls: (_family_problems(spec), _family_target(cls)) for cls, (_, spec) in _FAMILIES.items()})

@@ -281,7 +281,6 @@ REFUSED = {   # (model class, config key): overrides that set it to a value Deco
     ('Llama', 'hidden_act'): dict(hidden_act='gelu'),
     ('Llama', 'partial_rotary_factor'): dict(rope_parameters=dict(YARN_PARTIAL)),
     ('GPTNeoX', 'hidden_act'): dict(hidden_act='relu'),
-    ('GPTNeoX', 'attention_bias'): dict(attention_bias=False),
     ('Mistral', 'hidden_act'): dict(hidden_act='gelu'),
     ('Mistral', 'partial_rotary_factor'): dict(rope_parameters=dict(YARN_PARTIAL)),
     ('Qwen2', 'hidden_act'): dict(hidden_act='gelu'),
@@ -545,21 +544,24 @@ def test_attention_bias_in_every_family(family):
         with torch.no_grad(): assert max_err(lm(x)[0], ref_logits(model, x)) <= TOL
 
 
-def test_to_transformers_refuses_an_attention_bias_llama_cannot_express():
-    "LLaMA's attention_bias sets all four projections' biases: q/k/v biases without the output's (Qwen2) are refused."
+def test_to_transformers_gives_qkv_biases_without_the_outputs_to_qwen2():
+    "LLaMA's attention_bias sets all four projections' biases: q/k/v biases without the output's are Qwen2's layer."
     lm = DecoderLM(11, d_model=16, heads=2, n_layers=1, position='rotary', norm='rms', ffn='swiglu', bias=False,
                    qkv_bias=True, head_bias=False)
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM needs output_bias=False \(needs True\)"): lm.to_transformers()
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM needs output_bias=False \(needs True\)"):
-        DecoderLM.from_transformers(case('qwen2')).to_transformers()
+    assert type(lm.to_transformers()).__name__ == 'Qwen2ForCausalLM'
+    assert type(DecoderLM.from_transformers(case('qwen2')).to_transformers()).__name__ == 'Qwen2ForCausalLM'
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM needs output_bias=False \(needs True\)"):   # and MLP biases: none
+        DecoderLM(11, d_model=16, heads=2, n_layers=1, position='rotary', norm='rms', ffn='swiglu', bias=True,
+                  qkv_bias=True, output_bias=False, head_bias=False).to_transformers()
 
 
-def test_to_transformers_refuses_what_llama_cannot_express():
-    "A converted Gemma is not handed to LLaMA with its switches dropped."
-    with pytest.raises(ValueError, match="norm_offset=1.0"): DecoderLM.from_transformers(case('gemma')).to_transformers()
-    lm = DecoderLM(11, d_model=16, heads=2, n_layers=2, position='rotary', norm='rms', ffn='swiglu', bias=False,
-                   layer_types=['sliding_attention', 'full_attention'], sliding_window=3)
-    with pytest.raises(ValueError, match="layer_types="): lm.to_transformers()
+def test_to_transformers_gives_the_relatives_switches_to_their_classes():
+    "A converted Gemma is not handed to LLaMA with its switches dropped, nor a window or q/k norms of a model built by hand."
+    assert type(DecoderLM.from_transformers(case('gemma')).to_transformers()).__name__ == 'GemmaForCausalLM'
+    kw = dict(d_model=16, heads=2, n_layers=2, position='rotary', norm='rms', ffn='swiglu', bias=False, head_bias=False)
+    for over, cls in ((dict(layer_types=['sliding_attention', 'full_attention'], sliding_window=3), 'SmolLM3ForCausalLM'),
+                      (dict(sliding_window=3), 'MistralForCausalLM'), (dict(qk_norm='head'), 'Qwen3ForCausalLM')):
+        assert type(DecoderLM(11, **kw, **over).to_transformers()).__name__ == cls
 
 
 @pytest.mark.parametrize("name", ['smollm3', 'smollm3_windows'])
