@@ -20,7 +20,7 @@ from .alibi import ALiBiMultiHeadAttention, alibi_slopes
 from .t5 import T5MultiHeadAttention
 from .fourier import FourierMultiHeadAttention
 from .shaw import RelationAwareMultiHeadAttention, masked_score
-from .fire import FireMultiHeadAttention, fire_psi
+from .fire import FireMultiHeadAttention, fire_normalized_distance
 from .kerple import KerpleMultiHeadAttention
 from .xpos import XPosMultiHeadAttention, xpos_scale
 from .fox import ForgettingMultiHeadAttention, forget_sums, fox_operands
@@ -546,7 +546,7 @@ def cache_position_term(self:FireMultiHeadAttention, q, step, layer):
     fb = self.positions
     dtype = fb.mlp[0].weight.dtype
     pq, pk = step.q_pos.to(dtype), step.key_positions().to(dtype)              # [b, n], [b, keys]
-    x = fire_psi(pq[:, :, None] - pk[:, None, :], fb.c) / (fire_psi(torch.maximum(pq, fb.threshold), fb.c) + fb.eps)[..., None]
+    x = fire_normalized_distance(pq, pk, fb.c[0], fb.threshold, fb.eps)       # [b, n, keys]: the readable formula, per row
     return q, fb.mlp(x[..., None]).permute(0, 3, 1, 2)                          # [b, heads, n, keys]
 
 # %% ../nbs/09a_cache.ipynb #kerplec2
