@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.pool import run_pool, write_json
-from relpos.train import adamw, fit, learning_rate
+from relpos.train import adamw, fit, learning_rate, lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'nbs' / 'data' / 'study'
@@ -301,9 +301,9 @@ def _train(model, train, steps, batch, seq, lr, warmup, memory_len=0, step0=0, c
     schedule of `lr_at`, memory carried from step to step when `memory_len`; returns per-step losses (bits per byte)
     and step times."""
     batches = (stream_batch(train, step0 + step, batch, seq) for step in range(steps))
+    loss_fn = lm_loss if memory_len else (lambda model, batch, memory: lm_loss(model, batch, None))   # no memory: each batch alone
     losses, times = [], []
-    # a model without memory returns [] as its memory, which fit hands back: read as none
-    for s in fit(model, adamw(model, lr), batches, steps, lr, warmup, clip=1.0):
+    for s in fit(model, adamw(model, lr), batches, steps, lr, warmup, clip=1.0, loss_fn=loss_fn):
         times.append(s.seconds)
         losses.append(s.loss.item() / math.log(2))
         if eval_every and (s.step % eval_every == 0 or s.step == steps): curve.append((s.step, eval_fn()))
