@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.pool import run_pool, write_json
+from relpos.train import adamw, fit, learning_rate, lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / 'nbs' / 'data'
@@ -180,10 +181,8 @@ def evaluate(model, docs:list, seq:int, max_bytes:int, buckets=BUCKETS) -> dict:
 # One run
 # ---------------------------------------------------------------------------------------------------------------
 def lr_at(step:int, steps:int, lr:float, warmup:int) -> float:
-    "Linear warm-up, then cosine decay to a tenth of `lr` (bench.study's schedule)."
-    if step < warmup: return lr * (step + 1) / warmup
-    p = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    "Linear warm-up, then cosine decay to a tenth of `lr`: `relpos.train.learning_rate`, the schedule training uses."
+    return learning_rate(step, lr, warmup, steps)
 
 def build_model(seq:int, d_model:int, heads:int, n_layers:int, position:str, mem_len:int=0, knn_mult:int=0,
                 knn_layer:int=None, top_k:int=32, faiss:bool=False, **_):
@@ -213,6 +212,23 @@ def pair_init(model, seed:int, seq:int, d_model:int, heads:int, n_layers:int, po
         else: own.append(name)
     return {'paired_with': 'none', 'tensors': n, 'params': numel, 'own': own}
 
+def _train(model, stream:DocStream, steps:int, lr:float, warmup:int, gate_loss:bool=False, stateful:bool=True,
+           eval_fn=None, eval_every:int=0):
+    """`relpos.train.fit` on the documents of `stream`: the next-byte loss (padding not scored), plus the kNN gates'
+    loss if `gate_loss`; `stateful` (XL or kNN memory): each row's memory carried from segment to segment and emptied
+    where its document starts. Returns per-step losses (bits per byte), wall and CPU times, and the curve of `eval_fn`
+    every `eval_every` steps (not after the last)."""
+    batches = (b if stateful else b[:2] for b in iter(stream.next, None))
+    loss_fn = lambda model, batch, memory: lm_loss(model, batch, memory, gate_loss=gate_loss)
+    train_bits, times, cpu, curve = [], [], [], []
+    for s in fit(model, adamw(model, lr), batches, steps, lr, warmup, clip=1.0, loss_fn=loss_fn):
+        times.append(s.seconds); cpu.append(s.cpu_seconds)
+        train_bits.append(s.loss.item() / math.log(2))
+        if eval_every and s.step % eval_every == 0 and s.step < steps:
+            e = eval_fn()
+            curve.append((s.step, e['bits'] / e['bytes']))
+    return train_bits, times, cpu, curve
+
 def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, heads:int, n_layers:int,
               position:str, lr:float, warmup:int, eval_docs:int, eval_bytes:int, eval_every:int=0, gate_loss:bool=False,
               **setting) -> dict:
@@ -227,29 +243,12 @@ def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, h
     torch.manual_seed(seed)
     model = build_model(seq, d_model, heads, n_layers, position, **setting)
     init = pair_init(model, seed, seq, d_model, heads, n_layers, position)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     stream = DocStream(corpus['train'], batch, seq, data_seed=0)   # the same bytes for every setting and seed
     val = corpus['val'][:eval_docs]
     stateful = bool(setting.get('knn_mult') or setting.get('mem_len'))
-    memory, times, cpu, train_bits, curve = None, [], [], [], []
     t_start, cpu_start = time.time(), time.process_time()
-    for step in range(steps):
-        x, y, start = stream.next()
-        for g in opt.param_groups: g['lr'] = lr_at(step, steps, lr, warmup)
-        t0, c0 = time.perf_counter(), time.process_time()
-        logits, memory = model(x, memory, doc_start=start) if stateful else model(x)
-        loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), ignore_index=IGNORE)
-        aux = model.get_loss_component() if model.memorizing_layers else None   # taken every step, added only if asked
-        total = loss + aux if gate_loss and aux is not None else loss
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        times.append(time.perf_counter() - t0); cpu.append(time.process_time() - c0)
-        train_bits.append(loss.item() / math.log(2))
-        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-            e = evaluate(model, val[:8], seq, min(eval_bytes, 4096))
-            curve.append((step + 1, e['bits'] / e['bytes']))
+    eval_fn = lambda: evaluate(model, val[:8], seq, min(eval_bytes, 4096))
+    train_bits, times, cpu, curve = _train(model, stream, steps, lr, warmup, gate_loss, stateful, eval_fn, eval_every)
     train_seconds, train_cpu = time.time() - t_start, time.process_time() - cpu_start
     # How much each kNN layer's heads weigh local attention against the retrieved pairs after training: sigmoid of
     # the constant gate's per-head bias (1: memory ignored). What the memory backend searched with, as built.

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from bench.pool import run_pool, write_json
 from bench import study as S
+from relpos.train import adamw, fit
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'nbs' / 'data' / 'retrieval'
@@ -168,6 +169,32 @@ def evaluate(model, seq:int, segment:int=0, n:int=EVAL_N, multiples=MULTIPLES, d
 # ---------------------------------------------------------------------------------------------------------------
 # One run
 # ---------------------------------------------------------------------------------------------------------------
+def answer_loss(segment:int=0, accuracy:list=None):
+    """The tasks' loss for `relpos.train.fit`: cross-entropy on the answers only (`batch = (x, y, answer)`), the prompt
+    read in one pass or in segments of `segment` carrying the memory from an empty one (each prompt is its own text,
+    so no memory crosses steps). Each call appends the answers' accuracy to `accuracy`."""
+    def loss_fn(model, batch, memory):
+        x, y, ans = batch
+        if segment:
+            memory, outs = None, []
+            for a in range(0, x.shape[1], segment):
+                logits, memory = model(x[:, a:a + segment], memory)
+                outs.append(logits)
+            logits = torch.cat(outs, 1)
+        else: logits = model(x)[0]
+        loss = F.cross_entropy(logits[ans], y[ans])
+        if accuracy is not None: accuracy.append((logits[ans].argmax(-1) == y[ans]).float().mean().item())
+        return loss, loss.detach(), None
+    return loss_fn
+
+def _train(model, steps:int, batch:int, length:int, lr:float, warmup:int, seed:int, segment:int=0, device='cpu'):
+    "`relpos.train.fit` on the tasks' batches (`train_batch` of `seed`) with `answer_loss`; returns per-step losses and accuracies."
+    batches = (tuple(t.to(device) for t in train_batch(step, batch, length, seed)) for step in range(steps))
+    losses, acc = [], []
+    for s in fit(model, adamw(model, lr), batches, steps, lr, warmup, clip=1.0, loss_fn=answer_loss(segment, acc)):
+        losses.append(s.loss.item())
+    return losses, acc
+
 def train_run(label:str, method:str, seed:int, steps:int=2000, batch:int=16, seq:int=S.SEQ, d_model:int=64,
               heads:int=4, n_layers:int=2, lr:float=3e-3, warmup:int=50, mem_len:int=0, nope_layers=(),
               rope_variants:bool=False, position_kwargs=None, eval_n:int=EVAL_N, device:str='cpu', **_) -> dict:
@@ -182,26 +209,9 @@ def train_run(label:str, method:str, seed:int, steps:int=2000, batch:int=16, seq
     model = S.build_model(method, seq, d_model, heads, n_layers, mem_len, nope_layers, position_kwargs)
     init = S.pair_init(model, seed, d_model, heads, n_layers, seq)
     model.to(dev).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     segment = seq if mem_len else 0
     length = 2 * seq if mem_len else seq
-    losses, acc = [], []
-    for step in range(steps):
-        x, y, ans = (t.to(dev) for t in train_batch(step, batch, length, seed))
-        for g in opt.param_groups: g['lr'] = S.lr_at(step, steps, lr, warmup)
-        if segment:
-            memory, outs = None, []
-            for a in range(0, length, segment):
-                logits, memory = model(x[:, a:a + segment], memory)
-                outs.append(logits)
-            logits = torch.cat(outs, 1)
-        else: logits = model(x)[0]
-        loss = F.cross_entropy(logits[ans], y[ans])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item()); acc.append((logits[ans].argmax(-1) == y[ans]).float().mean().item())
+    losses, acc = _train(model, steps, batch, length, lr, warmup, seed, segment, dev)
     train_seconds = time.time() - t0
     every = max(1, steps // 30)
     out = {'task': 'retrieval', 'label': label, 'method': method, 'seed': seed,

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.pool import run_pool, write_json
+from relpos.train import adamw, fit, learning_rate, lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / 'nbs' / 'data' / 'study'
@@ -73,10 +74,8 @@ def stream_batch(data:torch.Tensor, step:int, batch:int, seq:int):
     return chunk[:, :-1], chunk[:, 1:]
 
 def lr_at(step:int, steps:int, lr:float, warmup:int) -> float:
-    "Linear warm-up, then cosine decay to a tenth of `lr`."
-    if step < warmup: return lr * (step + 1) / warmup
-    p = (step - warmup) / max(1, steps - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    "Linear warm-up, then cosine decay to a tenth of `lr`: `relpos.train.learning_rate`, the schedule training uses."
+    return learning_rate(step, lr, warmup, steps)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Evaluation: two protocols, bits per byte
@@ -298,22 +297,16 @@ def _rss(key:str) -> int:
     return 0
 
 def _train(model, train, steps, batch, seq, lr, warmup, memory_len=0, step0=0, curve=None, eval_fn=None, eval_every=0):
-    "AdamW, clipped gradients, the schedule of `lr_at`; returns per-step losses (bits per byte) and step times."
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    losses, times, memory = [], [], None
-    for step in range(steps):
-        x, y = stream_batch(train, step0 + step, batch, seq)
-        for g in opt.param_groups: g['lr'] = lr_at(step, steps, lr, warmup)
-        t0 = time.perf_counter()
-        logits, memory = model(x, memory) if memory_len else model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item() / math.log(2))
-        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps): curve.append((step + 1, eval_fn()))
+    """`relpos.train.fit` on the study's stream (`stream_batch` from step `step0`): AdamW, clipped gradients, the
+    schedule of `lr_at`, memory carried from step to step when `memory_len`; returns per-step losses (bits per byte)
+    and step times."""
+    batches = (stream_batch(train, step0 + step, batch, seq) for step in range(steps))
+    loss_fn = lm_loss if memory_len else (lambda model, batch, memory: lm_loss(model, batch, None))   # no memory: each batch alone
+    losses, times = [], []
+    for s in fit(model, adamw(model, lr), batches, steps, lr, warmup, clip=1.0, loss_fn=loss_fn):
+        times.append(s.seconds)
+        losses.append(s.loss.item() / math.log(2))
+        if eval_every and (s.step % eval_every == 0 or s.step == steps): curve.append((s.step, eval_fn()))
     return losses, times
 
 def train_run(label:str, method:str, seed:int, phase:str='main', steps:int=300, batch:int=16, seq:int=SEQ,
@@ -504,16 +497,10 @@ def cpu_timing(labels=None, repeats:int=5, steps:int=3, warmup:int=2, common=Non
         torch.manual_seed(0)
         model = build_model(kw['method'], c['seq'], c['d_model'], c['heads'], c['n_layers'], kw.get('mem_len', 0),
                             kw.get('nope_layers', ()), kw.get('position_kwargs'))
-        opt = torch.optim.AdamW(model.parameters(), lr=c['lr'], betas=(0.9, 0.95), weight_decay=0.1)
-        cases[l] = dict(model=model, opt=opt, memory=None, step=0, mem=kw.get('mem_len', 0))
-    def step(case):
-        x, y = stream_batch(train, case['step'], c['batch'], c['seq'])
-        if case['mem']: logits, case['memory'] = case['model'](x, case['memory'])
-        else: logits = case['model'](x)[0]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        case['opt'].zero_grad(set_to_none=True); loss.backward()
-        torch.nn.utils.clip_grad_norm_(case['model'].parameters(), 1.0); case['opt'].step()
-        case['step'] += 1
+        total = warmup + repeats * steps   # every step this label takes: the schedule's length
+        batches = (stream_batch(train, s, c['batch'], c['seq']) for s in range(total))
+        cases[l] = dict(model=model, steps=fit(model, adamw(model, c['lr']), batches, total, c['lr'], c['warmup']))
+    step = lambda case: next(case['steps'])   # one training step of `relpos.train.fit`, its batch made within it
     for l in labels:
         for _ in range(warmup): step(cases[l])
     times = {l: [] for l in labels}
