@@ -853,28 +853,6 @@ def full_logits(model:DecoderLM, tokens:torch.Tensor,          # `[batch, n]`
     out = torch.empty_like(logits).scatter_(1, order[..., None].expand_as(logits), logits)   # back to their places
     return out.masked_fill(~valid[..., None], float('nan'))
 
-# %% ../nbs/09a_cache.ipynb #03279950
-@patch
-def _generate_cached(self:DecoderLM, prompt, max_new_tokens:int, temperature, top_k, generator,
-                     attention_mask, max_cache_len) -> torch.Tensor:
-    "`generate` with a `KVCache`: the prompt in one pass (prefill), then one position per new token."
-    b, n = prompt.shape
-    if max_cache_len is None: max_cache_len = max(1, n + max_new_tokens - 1)   # every key the last new token attends to
-    cache = self.new_cache(b, max_cache_len)
-    q_pos, valid = self._cache_positions(cache, n, attention_mask, None, None)
-    if self.pos_embed is not None and q_pos.numel() and int(q_pos.max()) + max_new_tokens - 1 >= self.max_len:
-        raise ValueError(f"prompt and max_new_tokens reach position {int(q_pos.max()) + max_new_tokens - 1}, but "
-                         f"position='absolute' covers positions < max_len={self.max_len}")
-    out = prompt.new_empty(b, n + max_new_tokens)
-    out[:, :n] = prompt
-    logits = self._cached_run(prompt, cache, q_pos, valid, last_only=True)[:, -1]
-    for t in range(max_new_tokens):
-        nxt = _sample(logits.float(), temperature, top_k, generator)
-        out[:, n + t] = nxt[:, 0]
-        if t + 1 < max_new_tokens:
-            logits = self._cached_run(nxt, cache, cache.next_position[:, None], None)[:, -1]
-    return out
-
 # %% ../nbs/09a_cache.ipynb #32e3dc61
 @patch
 def cache_prefill(self:MultiHeadAttention, q, k, v, mask:Optional[torch.Tensor]) -> torch.Tensor:
