@@ -162,18 +162,21 @@ def config() -> dict:
                 window=WINDOW, hf=dict(vocab=1024, hidden=256, heads=8, kv_heads=2, layers=4, intermediate=688))
 
 
-def main(batch_sizes=(1, 8), rounds=5, store=True, threads=1):
-    "Both tables, stored with their conditions; `threads` intra-op threads for the run (a decode step is many small ops)."
+def main(batch_sizes=(1, 8), rounds=5, store=True, threads=1, positions=POSITIONS, transformers=True):
+    """Both tables, stored with their conditions; `threads` intra-op threads for the run (a decode step is many small ops).
+    Only a whole run is stored: `positions` a subset (rotary among them, the ratios' baseline) or `transformers=False`
+    give the table without writing it."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         cond = conditions(threads)
-        hf = transformers_table(batch_sizes, rounds)
-        rows = methods(batch_sizes, rounds=rounds)
+        hf = transformers_table(batch_sizes, rounds) if transformers else []
+        rows = methods(batch_sizes, positions=tuple(positions), rounds=rounds)
     finally:
         torch.set_num_threads(before)
     result = dict(conditions=cond, config=config(), rounds=rounds, methods=rows, transformers=hf)
-    if store: OUT.write_text(json.dumps(result, indent=1))
+    whole = tuple(positions) == tuple(POSITIONS) and transformers and tuple(batch_sizes) == (1, 8)
+    if store and whole: OUT.write_text(json.dumps(result, indent=1))
     return markdown(result)
 
 
@@ -190,11 +193,12 @@ def markdown(result:dict) -> str:
     lines += [f"| {r['position']} | {r['batch']} | {_cell(r['tok_s'], '.0f')} | {_cell(r['over_rotary'], '.2f')} | "
               f"{_cell(r['last_over_first'], '.2f')} |" for r in result['methods']]
     h = cfg['hf']
-    lines += ['', f"**Converted transformers models against transformers' generate (same weights): hidden {h['hidden']}, "
-                  f"{h['heads']} heads ({h['kv_heads']} key/value), {h['layers']} layers, vocabulary {h['vocab']}; Mistral's "
-                  f"window {cfg['window']}**", '',
-              '| model | batch | relpos tok/s | transformers tok/s | relpos / transformers | last / first, relpos | '
-              'last / first, transformers | same tokens |', '|---|---|---|---|---|---|---|---|']
+    if result['transformers']:   # a run of some methods only leaves it out
+        lines += ['', f"**Converted transformers models against transformers' generate (same weights): hidden {h['hidden']}, "
+                      f"{h['heads']} heads ({h['kv_heads']} key/value), {h['layers']} layers, vocabulary {h['vocab']}; Mistral's "
+                      f"window {cfg['window']}**", '',
+                  '| model | batch | relpos tok/s | transformers tok/s | relpos / transformers | last / first, relpos | '
+                  'last / first, transformers | same tokens |', '|---|---|---|---|---|---|---|---|']
     lines += [f"| {r['model']} | {r['batch']} | {_cell(r['relpos']['tok_s'], '.0f')} | {_cell(r['transformers']['tok_s'], '.0f')} | "
               f"{_cell(r['relpos_over_transformers'], '.2f')} | {_cell(r['relpos']['last_over_first'], '.2f')} | "
               f"{_cell(r['transformers']['last_over_first'], '.2f')} | {r['same_tokens']} |" for r in result['transformers']]
@@ -204,5 +208,12 @@ def markdown(result:dict) -> str:
     return '\n'.join(lines)
 
 
-if __name__ == '__main__':
-    print(main())
+if __name__ == '__main__':   # `python -m bench.decode --positions xpos rotary --batch 8`: a part of the run, printed only
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--positions', nargs='+', default=list(POSITIONS), choices=POSITIONS, help="methods (rotary among them)")
+    parser.add_argument('--batch', nargs='+', type=int, default=[1, 8])
+    parser.add_argument('--rounds', type=int, default=5)
+    parser.add_argument('--no-transformers', action='store_true', help="leave out the converted models' table")
+    args = parser.parse_args()
+    print(main(tuple(args.batch), args.rounds, positions=args.positions, transformers=not args.no_transformers))

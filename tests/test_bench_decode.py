@@ -80,3 +80,17 @@ def test_stored_decode_table_covers_every_method_with_its_conditions():
     assert result['rounds'] >= 5
     md = decode.markdown(result)
     for p in POSITIONS: assert f"| {p} | 1 |" in md and f"| {p} | 8 |" in md
+
+
+def test_a_partial_run_is_printed_not_stored(monkeypatch, tmp_path):
+    "`main(positions=...)` (the `--positions` of `python -m bench.decode`) runs those methods and leaves the stored table alone."
+    out = tmp_path / 'decode_bench.json'
+    monkeypatch.setattr(decode, 'OUT', out)
+    monkeypatch.setattr(decode, 'NEW', 40)
+    monkeypatch.setattr(decode, 'PROMPT', 4)
+    monkeypatch.setattr(decode, 'transformers_table', lambda *a, **k: pytest.fail('the transformers table was run'))
+    monkeypatch.setattr(decode, 'make', lambda p: DecoderLM(decode.N_VOCAB, d_model=16, heads=2, n_layers=1, position=p, max_len=64).eval())
+    md = decode.main(batch_sizes=(1,), rounds=1, positions=('xpos', 'rotary'), transformers=False)
+    assert not out.exists()
+    assert '| xpos | 1 |' in md and '| rotary | 1 |' in md and '| alibi |' not in md and 'transformers tok/s' not in md
+    with pytest.raises(ValueError, match="must include 'rotary'"): decode.main(batch_sizes=(1,), rounds=1, positions=('xpos',), transformers=False)
