@@ -1011,7 +1011,7 @@ def cache_prefill_ok(self:KerpleMultiHeadAttention, step):
 # %% ../nbs/09a_cache.ipynb #815ec628
 @patch
 def cache_prefill_ok(self:XPosMultiHeadAttention, step):
-    "Never: the scales are taken in `cache_project`, from the position ids, for the prompt too."
+    "Never: xPos's `cached_attention` scales a prompt by its position ids, in blocks (`_xpos_blocks`)."
     return False
 
 # %% ../nbs/09a_cache.ipynb #1b784531
