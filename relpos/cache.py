@@ -604,13 +604,13 @@ def cached_attention(self:XPosMultiHeadAttention, x, cache, layer, step):
     "One layer's cached step. Decode: the query and the new key rotated and scaled against the anchor, the stored keys used as they are. Longer: `_xpos_blocks`. The stored keys move to a new anchor in place, once; the new keys enter scaled against it."
     old, a = _xpos_anchor(self, cache, layer, step)
     K, V = cache.keys[layer], cache.values[layer]
+    if step.mode == 'decode': q, k, v = self.cache_project_scaled(x, step, a)
+    else: q, k, v = self.cache_project(x, step)         # rotated (rotary's), not scaled: `_xpos_blocks` scales them
     if step.mode == 'decode':
         if a is not old: _xpos_move(self, K, V, old, a, step)
-        q, k, v = self.cache_project_scaled(x, step, a)
         kk, vv, _ = _attended(K, V, k, v, step)          # written, then a view of the filled slots
         out = self.cache_attend(q.transpose(1, 2), kk, vv, step, layer).transpose(1, 2)
     else:
-        q, k, v = self.cache_project(x, step)            # rotated (rotary's), not scaled
         out = _xpos_blocks(self, q, k, v, K, V, old, step)
         if old is not None and a is not old: _xpos_move(self, K, V, old, a, step)
         _write(K, V, k * _xpos_pow(self, a[:, None] - step.q_pos, k.shape[-1], k.dtype)[:, :, None], v, step)

@@ -493,3 +493,15 @@ def test_a_reset_row_after_the_anchor_moved():
     got = torch.cat(got, 1)
     assert (got[0] - full_logits(lm, seq[:1])[0]).abs().max() <= 1e-10
     assert (got[1, 30:] - full_logits(lm, seq[1:, 30:])[0]).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize('window', [None, 6])
+def test_anchored_cache_with_chunks(window):
+    "Chunks of several tokens (those longer than H + 1 attended in blocks) across moves of the anchor, a ring of 6 or none: the full model's logits."
+    from relpos.cache import full_logits
+    lm = _lm('xpos', scale_base=4.0)                                   # H = 13
+    seq = torch.randint(0, 13, (2, 64), generator=torch.Generator().manual_seed(11))
+    chunks = [20, 1, 1, 17, 3, 1, 15, 1, 5]                          # 20 and 17: blocks of 14; the rest one at a time
+    assert sum(chunks) == 64
+    got = _decode(lm, seq, 0, window, chunks=chunks)
+    assert (got - full_logits(lm, seq, max_cache_len=window)).abs().max() <= 1e-10
