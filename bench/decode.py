@@ -13,8 +13,8 @@ shared machine's slow minutes fall on all of them; each number is the median ove
 largest. Time is the CPU time of the process (one thread), which the time slices other jobs take do not inflate; wall
 time is stored too. Writes nbs/data/decode_bench.json with the conditions (torch, transformers, threads, date, commit).
 
-`python -m bench.decode --models gemma3 [--batch 1 8] [--rounds 5] [--no-methods]` runs some transformers models only
-(and the methods table unless `--no-methods`) and prints their table without storing it: the stored file holds a
+`python -m bench.decode --positions xpos rotary --models gemma3 [--batch 1 8] [--rounds 5]` runs a part (`--positions`
+or `--models` with no names: no such table) and prints its tables without storing them: the stored file holds a
 complete run only."""
 import argparse, json, statistics, subprocess, time
 from pathlib import Path
@@ -177,20 +177,21 @@ def config() -> dict:
                 window=WINDOW, gemma3_pattern=GEMMA3_PATTERN, hf=dict(vocab=1024, hidden=256, heads=8, kv_heads=2, layers=4, intermediate=688))
 
 
-def main(batch_sizes=(1, 8), rounds=5, store=True, threads=1, models=HF_MODELS, with_methods=True):
+def main(batch_sizes=(1, 8), rounds=5, store=True, threads=1, positions=POSITIONS, models=HF_MODELS):
     """Both tables, stored with their conditions; `threads` intra-op threads for the run (a decode step is many small ops).
-    `models` (some of HF_MODELS) or `with_methods=False`: a partial run, printed and never stored."""
+    Only a whole run is stored: a subset of `positions` (rotary among them, the ratios' baseline; empty: no methods'
+    table) or of `models` (some of HF_MODELS; empty: no transformers table) gives the tables without writing them."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         cond = conditions(threads)
-        hf = transformers_table(batch_sizes, rounds, models)
-        rows = methods(batch_sizes, rounds=rounds) if with_methods else []
+        hf = transformers_table(batch_sizes, rounds, tuple(models)) if models else []
+        rows = methods(batch_sizes, positions=tuple(positions), rounds=rounds) if positions else []
     finally:
         torch.set_num_threads(before)
     result = dict(conditions=cond, config=config(), rounds=rounds, methods=rows, transformers=hf)
-    complete = tuple(models) == HF_MODELS and with_methods and tuple(batch_sizes) == (1, 8)
-    if store and complete: OUT.write_text(json.dumps(result, indent=1))
+    whole = tuple(positions) == tuple(POSITIONS) and tuple(models) == tuple(HF_MODELS) and tuple(batch_sizes) == (1, 8)
+    if store and whole: OUT.write_text(json.dumps(result, indent=1))
     return markdown(result)
 
 
@@ -207,13 +208,14 @@ def markdown(result:dict) -> str:
     lines += [f"| {r['position']} | {r['batch']} | {_cell(r['tok_s'], '.0f')} | {_cell(r['over_rotary'], '.2f')} | "
               f"{_cell(r['last_over_first'], '.2f')} |" for r in result['methods']]
     h = cfg['hf']
-    gemma = any(r['model'] == 'gemma3' for r in result['transformers'])
-    windows = "Mistral's window" + (f" and Gemma 3's (every layer but the {cfg['gemma3_pattern']}th)" if gemma else "")
-    lines += ['', f"**Converted transformers models against transformers' generate (same weights): hidden {h['hidden']}, "
-                  f"{h['heads']} heads ({h['kv_heads']} key/value), {h['layers']} layers, vocabulary {h['vocab']}; {windows} "
-                  f"{cfg['window']}**", '',
-              '| model | batch | relpos tok/s | transformers tok/s | relpos / transformers | last / first, relpos | '
-              'last / first, transformers | same tokens |', '|---|---|---|---|---|---|---|---|']
+    if result['transformers']:   # a run of some methods only leaves it out
+        gemma = any(r['model'] == 'gemma3' for r in result['transformers'])
+        windows = "Mistral's window" + (f" and Gemma 3's (every layer but the {cfg['gemma3_pattern']}th)" if gemma else "")
+        lines += ['', f"**Converted transformers models against transformers' generate (same weights): hidden {h['hidden']}, "
+                      f"{h['heads']} heads ({h['kv_heads']} key/value), {h['layers']} layers, vocabulary {h['vocab']}; {windows} "
+                      f"{cfg['window']}**", '',
+                  '| model | batch | relpos tok/s | transformers tok/s | relpos / transformers | last / first, relpos | '
+                  'last / first, transformers | same tokens |', '|---|---|---|---|---|---|---|---|']
     lines += [f"| {r['model']} | {r['batch']} | {_cell(r['relpos']['tok_s'], '.0f')} | {_cell(r['transformers']['tok_s'], '.0f')} | "
               f"{_cell(r['relpos_over_transformers'], '.2f')} | {_cell(r['relpos']['last_over_first'], '.2f')} | "
               f"{_cell(r['transformers']['last_over_first'], '.2f')} | {r['same_tokens']} |" for r in result['transformers']]
@@ -223,11 +225,13 @@ def markdown(result:dict) -> str:
     return '\n'.join(lines)
 
 
-if __name__ == '__main__':
-    ap = argparse.ArgumentParser(description="The decode benchmark; with --models or --no-methods a partial run, printed only.")
-    ap.add_argument('--models', nargs='+', default=list(HF_MODELS), choices=HF_MODELS, help="transformers models to compare")
+if __name__ == '__main__':   # `python -m bench.decode --positions xpos rotary --models`: a part of the run, printed only
+    ap = argparse.ArgumentParser(description="The decode benchmark; with a subset of --positions or --models a partial run, printed only.")
+    ap.add_argument('--positions', nargs='*', default=list(POSITIONS), choices=POSITIONS,
+                    help="methods (rotary among them); none given: no methods' table")
+    ap.add_argument('--models', nargs='*', default=list(HF_MODELS), choices=HF_MODELS,
+                    help="transformers models to compare; none given: no transformers table")
     ap.add_argument('--batch', nargs='+', type=int, default=[1, 8], help="batch sizes")
     ap.add_argument('--rounds', type=int, default=5)
-    ap.add_argument('--no-methods', action='store_true', help="skip the table of position methods")
     a = ap.parse_args()
-    print(main(tuple(a.batch), a.rounds, models=tuple(a.models), with_methods=not a.no_methods))
+    print(main(tuple(a.batch), a.rounds, positions=tuple(a.positions), models=tuple(a.models)))

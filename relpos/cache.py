@@ -72,6 +72,8 @@ class KVCache:
         self.seen = 0           # tokens written into the stream (every row advances together)
         self.all_valid = True   # no padding and no reset so far: the filled slots need no mask
         self.tables = [None] * len(attentions)   # per layer: what its position term needs that no parameter changes
+        self.layer_state = [{} for _ in attentions]   # per layer: what its position method keeps beside its keys (xPos: the anchor they are scaled against)
+        self.resets = 0         # calls of `reset` that reset a row (its position ids start again at 0)
         self._owner = None if owner is None else weakref.ref(owner)
         self._fingerprint = None  # unpickled: a digest of the parameters of the model it was saved from
 
@@ -102,6 +104,7 @@ def reset(self:KVCache, which:torch.Tensor): # bool `[batch]`: rows whose docume
     self.next_position.masked_fill_(which, 0)
     self.first_time.masked_fill_(which, -1)   # the new document's chunks start at its first token
     self.all_valid = False
+    self.resets += 1
 
 @patch
 def clear(self:KVCache):
@@ -109,20 +112,22 @@ def clear(self:KVCache):
     self.valid.zero_(); self.next_position.zero_(); self.times.fill_(-1); self.first_time.fill_(-1)
     self.seen, self.all_valid = 0, True
     self.tables = [None] * self.n_layers
+    self.layer_state = [{} for _ in range(self.n_layers)]
 
 # %% ../nbs/09a_cache.ipynb #b7c1e0a2
 @patch
 def _state(self:KVCache) -> tuple:
     "What a call may change besides the key/value slots (each write keeps those it overwrites): put back if the call fails."
     return (self.positions.clone(), self.valid.clone(), self.times.clone(), self.next_position.clone(),
-            self.seen, self.all_valid, list(self.tables), self.first_time.clone())
+            self.seen, self.all_valid, list(self.tables), self.first_time.clone(), list(self.layer_state), self.resets)
 
 @patch
 def _restore(self:KVCache, state:tuple, # from `_state`, taken before the call
              undo:list):                # `(K, V, slots, k, v)` per write of the call: the slots' contents before it
     "Undo a failed call: the key/value slots it overwrote (newest first), then the position ids, validity, times and counters."
     for K, V, w, k, v in reversed(undo): _put(K, V, w, k, v)
-    positions, valid, times, self.next_position, self.seen, self.all_valid, self.tables, self.first_time = state
+    (positions, valid, times, self.next_position, self.seen, self.all_valid, self.tables, self.first_time,
+     self.layer_state, self.resets) = state
     self.positions.copy_(positions); self.valid.copy_(valid); self.times.copy_(times)
 
 # %% ../nbs/09a_cache.ipynb #b7c1e0a4
@@ -563,24 +568,94 @@ def cache_position_term(self:KerpleMultiHeadAttention, q, step, layer):
     return q, _gather_distance(_layer_tables(self, step, layer), step)
 
 # %% ../nbs/09a_cache.ipynb #xposc2
+_XPOS_LARGEST_FACTOR = 64.0   # the largest scale of a new key or query between two moves of the anchor: far inside float16's range
+
+@patch
+def cache_anchor_reach(self:XPosMultiHeadAttention) -> int:
+    "H: how far a row's positions may run past its anchor before the anchor moves; the largest scale, $\\zeta_0^{-H/\\gamma}$ ($\\zeta_0 = 2/7$), stays within 64."
+    return int(math.log(_XPOS_LARGEST_FACTOR) * self.scale_base / math.log(3.5))
+
+def _xpos_anchor(module, cache:KVCache, layer:int, step:CacheStep) -> tuple:
+    "The anchor `[b]` the layer's stored keys are scaled against (None: none yet), and this step's: the same, or each row's newest position once the step's positions could leave its reach."
+    held, H = cache.layer_state[layer], module.cache_anchor_reach()
+    t = cache.seen + step.n - 1                          # stream time of the step's last token
+    # a position grows by at most one per token: without a reset, t - held['time'] <= H keeps every new position in a .. a + H
+    if held and held['resets'] == cache.resets and t - held['time'] <= H: return held['anchor'], held['anchor']
+    if 'xpos_newest' not in step.memo: step.memo['xpos_newest'] = step.q_pos[:, -1].clone()   # one tensor for all layers: shared tables
+    cache.layer_state[layer] = dict(anchor=step.memo['xpos_newest'], time=t, resets=cache.resets)
+    return held.get('anchor'), step.memo['xpos_newest']
+
+def _xpos_pow(module, exponent:torch.Tensor, d:int, dtype) -> torch.Tensor:
+    "`[..., d]`: $\\zeta_f^{e/\\gamma}$ of the integer exponents e `[...]` for both features of pair f (in float32, or float64), 1 after rotary_dim."
+    s = xpos_scale(exponent, module.rotary_dim, module.scale_base, module.interleaved,
+                   torch.float64 if dtype == torch.float64 else torch.float32, centre=0)
+    return F.pad(s, (0, d - module.rotary_dim), value=1.0).to(dtype)
+
+def _xpos_move(module, K, V, old:torch.Tensor, new:torch.Tensor, step:CacheStep):
+    "Stored keys `K [b, kv_heads, W, d]` from anchor `old [b]` to `new`, in place: times $\\zeta_f^{(new-old)/\\gamma} \\le 1$; a reset row (new < old: all its keys masked) zeroed. The call's undo keeps them."
+    moved = new - old
+    factor = _xpos_pow(module, moved, K.shape[-1], K.dtype) * (moved >= 0)[:, None].to(K.dtype)
+    step.undo.append((K, V, slice(None), K.clone(), V.clone()))
+    K.mul_(factor[:, None, None])
+
+@patch
+def cached_attention(self:XPosMultiHeadAttention, x, cache, layer, step):
+    "One layer's cached step. Decode: the query and the new key rotated and scaled against the anchor, the stored keys used as they are. Longer: `_xpos_blocks`. The stored keys move to a new anchor in place, once; the new keys enter scaled against it."
+    old, a = _xpos_anchor(self, cache, layer, step)
+    K, V = cache.keys[layer], cache.values[layer]
+    if step.mode == 'decode': q, k, v = self.cache_project_scaled(x, step, a)
+    else: q, k, v = self.cache_project(x, step)         # rotated (rotary's), not scaled: `_xpos_blocks` scales them
+    if step.mode == 'decode':
+        if a is not old: _xpos_move(self, K, V, old, a, step)
+        kk, vv, _ = _attended(K, V, k, v, step)          # written, then a view of the filled slots
+        out = self.cache_attend(q.transpose(1, 2), kk, vv, step, layer).transpose(1, 2)
+    else:
+        out = _xpos_blocks(self, q, k, v, K, V, old, step)
+        if old is not None and a is not old: _xpos_move(self, K, V, old, a, step)
+        _write(K, V, k * _xpos_pow(self, a[:, None] - step.q_pos, k.shape[-1], k.dtype)[:, :, None], v, step)
+    return self.output(out.flatten(2))
+
+@patch
+def cache_project_scaled(self:XPosMultiHeadAttention, x, step:CacheStep, a:torch.Tensor):
+    "Decode: project, rotate by the position ids and scale against the anchor `a [b]`: queries by $\\zeta_f^{(i-a)/\\gamma}$, keys by its inverse, in the cosine and sine (tables shared by the layers with this anchor)."
+    q, k, v = self.query(x), self.key(x), self.value(x)
+    key = ('xpos', self.rotary_dim, self.base, self.scale_base, self.interleaved, repr(self.rope_scaling),
+           self.max_position_embeddings, q.dtype, id(a))
+    if key not in step.memo:
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        cos, sin = self.cache_cos_sin(step, dtype)                                   # [b, 1, 1, rd]
+        s = xpos_scale(step.q_pos, self.rotary_dim, self.scale_base, self.interleaved, dtype, centre=a[:, None])[:, :, None]
+        step.memo[key] = (a, tuple(t.to(q.dtype) for t in (cos * s, sin * s, cos / s, sin / s)))   # a kept: its id stays its
+    qc, qs, kc, ks = step.memo[key][1]
+    return apply_rotary(q, qc, qs, self.interleaved), apply_rotary(k, kc, ks, self.interleaved), v
+
 @patch
 def cache_attend(self:XPosMultiHeadAttention, q, k, v, step, layer):
-    "Queries and cached keys arrive rotated; pair f of each is scaled around the row's newest position c, by $\\zeta_f^{(i-c)/\\gamma}$ and $\\zeta_f^{(c-j)/\\gamma}$, then SDPA."
-    rd, d = self.rotary_dim, q.shape[-1]
-    key = ('xpos', rd, d, self.scale_base, self.interleaved, q.dtype, step.pattern)   # a sliding layer reads other keys
-    if key not in step.memo:                        # the same scales for every layer of the step: computed once
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        c = step.q_pos.amax(1, keepdim=True)                                      # [b, 1]
-        # keys after c (empty slots, keys a query may not see) get c's scale: masked anyway, and kept finite
-        k_pos = torch.minimum(step.key_positions(), c)
-        sq = xpos_scale(step.q_pos, rd, self.scale_base, self.interleaved, dtype, centre=c)[:, None]     # [b, 1, n, rd]
-        sk = 1 / xpos_scale(k_pos, rd, self.scale_base, self.interleaved, dtype, centre=c)[:, None]      # [b, 1, keys, rd]
-        # the features after rotary_dim keep a factor 1: one product scales the whole head, no concatenation
-        step.memo[key] = tuple(F.pad(s.to(q.dtype), (0, d - rd), value=1.0) for s in (sq, sk))
-    sq, sk = step.memo[key]
-    return F.scaled_dot_product_attention(q * sq, k * sk, v, attn_mask=step.mask(), scale=self.scale,
-                                          dropout_p=self.dropout.p if self.training else 0.0,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    "Decode: SDPA of the scaled query over the stored keys, as rotary's."
+    return _sdpa(self, q, k, v, step.mask())
+
+def _xpos_blocks(module, q, k, v, K, V, old:Optional[torch.Tensor], step:CacheStep) -> torch.Tensor:
+    """Prefill or extend: queries `[b, n, heads, d]` and new keys, rotated, over the cached keys (stored against `old`) and
+    their own, in blocks of at most H + 1 queries. Each block is scaled around its newest position r: queries by
+    $\\zeta_f^{(i-r)/\\gamma}$ (1 to 64), keys up to r by $\\zeta_f^{(r-j)/\\gamma} \\le 1$; the keys after the block, masked,
+    are left out (a long prompt's would overflow)."""
+    c, n, H, d = step.cache, step.n, module.cache_anchor_reach(), k.shape[-1]
+    f, mask = len(c), step.mask()                        # cached keys first, in slot order: `mask` [b|1, 1, n, f + n]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    out = []
+    for s in range(0, n, H + 1):
+        e = min(n, s + H + 1)
+        r = step.q_pos[:, e - 1:e]                                                    # [b, 1]
+        keys = kt[:, :, :e] * _xpos_pow(module, r - step.q_pos[:, :e], d, k.dtype)[:, None]
+        values = vt[:, :, :e]
+        if f:   # from the anchor to r (a reset row's keys, masked: 0)
+            moved = r[:, 0] - old
+            factor = _xpos_pow(module, moved, d, k.dtype) * (moved >= 0)[:, None].to(k.dtype)
+            keys, values = torch.cat([K[:, :, :f] * factor[:, None, None], keys], 2), torch.cat([V[:, :, :f], values], 2)
+        query = qt[:, :, s:e] * _xpos_pow(module, step.q_pos[:, s:e] - r, d, q.dtype)[:, None]
+        out.append(_sdpa(module, query, keys, values, mask[..., s:e, :f + e]))
+    return torch.cat(out, 2).transpose(1, 2)
+
 
 # %% ../nbs/09a_cache.ipynb #foxc2
 @patch
@@ -913,7 +988,7 @@ def cache_prefill_ok(self:KerpleMultiHeadAttention, step):
 # %% ../nbs/09a_cache.ipynb #815ec628
 @patch
 def cache_prefill_ok(self:XPosMultiHeadAttention, step):
-    "Never: the scales are taken in `cache_attend`, from the position ids, for the prompt too."
+    "Never: xPos's `cached_attention` scales a prompt by its position ids, in blocks (`_xpos_blocks`)."
     return False
 
 # %% ../nbs/09a_cache.ipynb #1b784531

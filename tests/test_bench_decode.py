@@ -93,7 +93,21 @@ def test_gemma3_row_measured_and_shown(monkeypatch):
     assert lm.layer_types == ('sliding_attention',) * 3 + ('full_attention',) and lm.sliding_window == decode.WINDOW
     assert lm.layer_positions == {'sliding_attention': {'base': 10000.0}}   # the global layers': 1,000,000
     stored = decode.OUT.read_text()
-    md = decode.main(batch_sizes=(1,), rounds=1, models=('gemma3',), with_methods=False)
+    md = decode.main(batch_sizes=(1,), rounds=1, models=('gemma3',), positions=())
     assert decode.OUT.read_text() == stored
     assert "| gemma3 | 1 |" in md and md.count('| True |') == 1 and "Gemma 3's (every layer but the 4th)" in md
     with pytest.raises(ValueError, match=r"models: \['gpt5'\]"): decode.hf_models(models=('gpt5',))
+
+
+def test_a_partial_run_is_printed_not_stored(monkeypatch, tmp_path):
+    "`main(positions=...)` (the `--positions` of `python -m bench.decode`) runs those methods and leaves the stored table alone."
+    out = tmp_path / 'decode_bench.json'
+    monkeypatch.setattr(decode, 'OUT', out)
+    monkeypatch.setattr(decode, 'NEW', 40)
+    monkeypatch.setattr(decode, 'PROMPT', 4)
+    monkeypatch.setattr(decode, 'transformers_table', lambda *a, **k: pytest.fail('the transformers table was run'))
+    monkeypatch.setattr(decode, 'make', lambda p: DecoderLM(decode.N_VOCAB, d_model=16, heads=2, n_layers=1, position=p, max_len=64).eval())
+    md = decode.main(batch_sizes=(1,), rounds=1, positions=('xpos', 'rotary'), models=())
+    assert not out.exists()
+    assert '| xpos | 1 |' in md and '| rotary | 1 |' in md and '| alibi |' not in md and 'transformers tok/s' not in md
+    with pytest.raises(ValueError, match="must include 'rotary'"): decode.main(batch_sizes=(1,), rounds=1, positions=('xpos',), models=())

@@ -1,6 +1,6 @@
 "Tests of `relpos.xpos` that would clutter the chapter: x-transformers parity (float64, values and gradients), fast == readable (hypothesis), gradcheck, causality, compile, dtypes, state, errors."
 from functools import partial
-import math
+import copy, math
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -325,17 +325,21 @@ def test_cached_decoding_left_padded():
 
 @pytest.mark.parametrize('kw', [dict(), dict(rotary_dim=4)])
 def test_cached_step_scales_once_for_every_layer(monkeypatch, kw):
-    """A cached call computes the queries' and keys' scales once for all layers (they depend on the position ids alone,
-    not on the layer): 2 `xpos_scale` calls per call, not 2 per layer and call; the logits stay the full model's."""
+    """A decode step computes the scale of its query and key once for all layers (it depends on the position ids and the
+    anchor alone, not on the layer): one `xpos_scale` call per step, not one per layer; the logits stay the full model's."""
     import relpos.cache
     from relpos.cache import full_logits
     real, calls = relpos.cache.xpos_scale, []
     monkeypatch.setattr(relpos.cache, 'xpos_scale', lambda *a, **k: calls.append(1) or real(*a, **k))
     lm = _lm('xpos', scale_base=4.0, **kw)                         # 2 layers
     seq = torch.randint(0, 13, (2, 10), generator=torch.Generator().manual_seed(3))
-    got = _decode(lm, seq, 4, None)                                # a prefill, then 6 one-token steps
-    assert len(calls) == 2 * 7, len(calls)
-    assert (got - full_logits(lm, seq)).abs().max() <= 1e-10
+    cache = lm.new_cache(2, 10)
+    with torch.no_grad():
+        got = [lm(seq[:, :4], cache=cache)[0]]
+        calls.clear()
+        got += [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(4, 10)]   # 6 one-token steps, the anchor kept
+    assert len(calls) == 6, len(calls)
+    assert (torch.cat(got, 1) - full_logits(lm, seq)).abs().max() <= 1e-10
 
 
 def test_decoder_lm_position_kwargs():
@@ -346,3 +350,158 @@ def test_decoder_lm_position_kwargs():
     with pytest.raises(ValueError, match='scale_base must be'): DecoderLM(11, d_model=16, heads=2, position='xpos', scale_base=-1)
     prompt = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
     assert torch.equal(lm.generate(prompt, 6, temperature=0), lm.generate(prompt, 6, temperature=0, use_cache=False))
+
+
+# ---------------------------------------------------------------- the cache's keys are scaled against an anchor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class _BigResults(TorchDispatchMode):
+    "Records every op (views aside) whose result has at least `limit` elements: a pass over the cached keys."
+    def __init__(self, limit):
+        super().__init__()
+        self.limit, self.ops = limit, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        rets = func._schema.returns
+        if rets and all(r.alias_info is not None and not r.alias_info.is_write for r in rets): return out   # a view
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.limit: self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize('window', [None, 12])
+def test_a_decode_step_passes_over_no_cached_key(window):
+    """Every op of a decode step is recorded: none makes a result the size of the cached keys (the old centred path
+    multiplied all of them by their scales at every step and layer), and the stored keys stay as written, except at the
+    steps where the anchor moves (every H + 1 tokens); the logits stay the full model's (float64, 1e-10)."""
+    from relpos.cache import full_logits
+    lm = _lm('xpos', scale_base=4.0)                                   # H = 13 tokens between moves of the anchor
+    H = lm.layers[0].self_attn.module.cache_anchor_reach()
+    assert H == int(math.log(64) * 4.0 / math.log(3.5)) == 13
+    b, n, prompt, seen = 2, 60, 8, 20
+    seq = torch.randint(0, 13, (b, n), generator=torch.Generator().manual_seed(5))
+    cache = lm.new_cache(b, window or n)
+    limit = b * 2 * min(seen, window or n) * 8                        # kv_heads 2, d_k 8: the cached keys of `seen` tokens
+    got, moved = [], []
+    with torch.no_grad():
+        got.append(lm(seq[:, :prompt], cache=cache)[0])
+        for t in range(prompt, n):
+            keys = [K.clone() for K in cache.keys]
+            times = [s['time'] for s in cache.layer_state]
+            with _BigResults(limit) as rec: got.append(lm(seq[:, t:t + 1], cache=cache)[0])
+            move = [s['time'] != u for s, u in zip(cache.layer_state, times)]
+            assert all(move) or not any(move)                          # the layers move together (same scale base)
+            if move[0]: moved.append(t)
+            elif t >= seen:
+                assert not rec.ops, (t, rec.ops)
+            if not move[0]:                                            # stored keys unchanged but the one slot written
+                slot = t % cache.max_cache_len
+                for K, old in zip(cache.keys, keys):
+                    keep = torch.ones(cache.max_cache_len, dtype=torch.bool); keep[slot] = False
+                    assert torch.equal(K[:, :, keep], old[:, :, keep])
+    assert moved == list(range(prompt + H, n, H + 1)), moved          # prefill anchors at t = 7; then t = 21, 35, 49
+    assert (torch.cat(got, 1) - full_logits(lm, seq, max_cache_len=window)).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize('prompt', [8, 600])
+def test_long_decoding_stays_in_float_range(prompt):
+    """gamma = 8: an anchor kept at 0 would scale key j by zeta_0^(-j/8), past float32's range after 566 tokens; and a
+    600-token prompt scaled around its newest position (the old cached path) puts its first query there. Decoded to 750
+    tokens, the cache's keys stay finite and the logits equal the full model's: float64 1e-10, float32 close to it."""
+    from relpos.cache import full_logits
+    assert (1 / xpos_scale(torch.arange(750), 8, 8.0, centre=0)).isinf().any()      # the naive fixed anchor overflows
+    lm = _lm('xpos', scale_base=8.0)
+    seq = torch.randint(0, 13, (2, 750), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = full_logits(lm, seq)
+        assert want.isfinite().all()
+        for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+            model = copy.deepcopy(lm).to(dtype)
+            cache = model.new_cache(2, 750)
+            got = torch.cat([model(seq[:, :prompt], cache=cache)[0]] +
+                            [model(seq[:, t:t + 1], cache=cache)[0] for t in range(prompt, 750)], 1)
+            assert all(K.isfinite().all() for K in cache.keys)
+            assert got.isfinite().all() and (got.double() - want).abs().max() <= tol, (dtype, (got.double() - want).abs().max())
+
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_half_precision_decoding_stays_finite(dtype):
+    "gamma = 8, 300 tokens: a fixed anchor would leave float16's range after 70. The half-precision cache stays finite, its logits near float64's."
+    from relpos.cache import full_logits
+    lm = _lm('xpos', scale_base=8.0)
+    seq = torch.randint(0, 13, (2, 300), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = full_logits(lm, seq)
+        model = copy.deepcopy(lm).to(dtype)
+        cache = model.new_cache(2, 300)
+        got = torch.cat([model(seq[:, :8], cache=cache)[0]] + [model(seq[:, t:t + 1], cache=cache)[0] for t in range(8, 300)], 1)
+    assert all(K.isfinite().all() for K in cache.keys) and got.isfinite().all()
+    assert (got.double() - want).abs().max() < 0.1, (got.double() - want).abs().max()
+
+
+def test_a_failed_call_that_moved_the_anchor_is_undone():
+    """The step that moves the anchor fails in layer 1, after layer 0 rescaled its keys: the cache is as before (keys and
+    anchors), and decoding on gives the full model's logits."""
+    from relpos.cache import full_logits
+    lm = _lm('xpos', scale_base=4.0)                                   # H = 13: the anchor set at t = 7 moves at t = 21
+    seq = torch.randint(0, 13, (2, 30), generator=torch.Generator().manual_seed(8))
+    cache = lm.new_cache(2, 10)                                        # a ring of 10: wrapped by then
+    with torch.no_grad():
+        got = [lm(seq[:, :8], cache=cache)[0]] + [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(8, 21)]
+        keys, anchors = [K.clone() for K in cache.keys], [dict(s) for s in cache.layer_state]
+
+        def boom(*a, **k): raise RuntimeError('boom')
+        lm.layers[1].self_attn.module.cache_attend = boom
+        with pytest.raises(RuntimeError, match='boom'): lm(seq[:, 21:22], cache=cache)
+        del lm.layers[1].self_attn.module.cache_attend
+        assert all(torch.equal(K, k) for K, k in zip(cache.keys, keys))
+        assert all(s['time'] == a['time'] and torch.equal(s['anchor'], a['anchor']) for s, a in zip(cache.layer_state, anchors))
+        assert not torch.equal(keys[0], cache.keys[0] * 0) and cache.seen == 21
+        got += [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(21, 30)]
+    assert (torch.cat(got, 1) - full_logits(lm, seq, max_cache_len=10)).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize('how', ['pickle', 'deepcopy'])
+def test_a_copied_cache_keeps_its_anchors(how):
+    "After two moves of the anchor, a pickled (or deep-copied) cache decodes on as the full model runs."
+    import pickle
+    from relpos.cache import full_logits
+    lm = _lm('xpos', scale_base=4.0)
+    seq = torch.randint(0, 13, (2, 45), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        cache = lm.new_cache(2, 45)
+        got = [lm(seq[:, :8], cache=cache)[0]] + [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(8, 36)]
+        assert cache.layer_state[0]['time'] == 35
+        copied = pickle.loads(pickle.dumps(cache)) if how == 'pickle' else copy.deepcopy(cache)
+        got += [lm(seq[:, t:t + 1], cache=copied)[0] for t in range(36, 45)]
+    assert (torch.cat(got, 1) - full_logits(lm, seq)).abs().max() <= 1e-10
+
+
+def test_a_reset_row_after_the_anchor_moved():
+    "Row 1's document ends at token 30, its anchor far from position 0: from then on it equals the full model on its new document alone."
+    from relpos.cache import full_logits
+    lm = _lm('xpos', scale_base=4.0)
+    seq = torch.randint(0, 13, (2, 50), generator=torch.Generator().manual_seed(10))
+    with torch.no_grad():
+        cache = lm.new_cache(2, 50)
+        got = [lm(seq[:, :8], cache=cache)[0]] + [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(8, 30)]
+        assert int(cache.layer_state[0]['anchor'][1]) == 21
+        got += [lm(seq[:, 30:33], cache=cache, doc_start=torch.tensor([False, True]))[0]]
+        got += [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(33, 50)]
+    got = torch.cat(got, 1)
+    assert (got[0] - full_logits(lm, seq[:1])[0]).abs().max() <= 1e-10
+    assert (got[1, 30:] - full_logits(lm, seq[1:, 30:])[0]).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize('window', [None, 6])
+def test_anchored_cache_with_chunks(window):
+    "Chunks of several tokens (those longer than H + 1 attended in blocks) across moves of the anchor, a ring of 6 or none: the full model's logits."
+    from relpos.cache import full_logits
+    lm = _lm('xpos', scale_base=4.0)                                   # H = 13
+    seq = torch.randint(0, 13, (2, 64), generator=torch.Generator().manual_seed(11))
+    chunks = [20, 1, 1, 17, 3, 1, 15, 1, 5]                          # 20 and 17: blocks of 14; the rest one at a time
+    assert sum(chunks) == 64
+    got = _decode(lm, seq, 0, window, chunks=chunks)
+    assert (got - full_logits(lm, seq, max_cache_len=window)).abs().max() <= 1e-10
