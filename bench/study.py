@@ -784,7 +784,8 @@ class StudyResults:
                     unknown_long=[l for l in one if long['sliding'].get(l, ('',))[0] == 'not known'],
                     best_memory={p: min(mem2, key=lambda l: m(l, L, p)) if mem2 else None for p in PROTOCOLS},
                     refused=[l for l in one if long['sliding'].get(l, ('',))[0] == 'refused'],
-                    worse=[l for l in one if long['sliding'].get(l, ('',))[0] == 'worse'])
+                    worse=[l for l in one if long['sliding'].get(l, ('',))[0] == 'worse'],
+                    judged={'short': short, 'long': long})
 
     def seed_note(self, label, phase='main') -> str:
         "'1 seed', '3 seeds': how many runs a label's numbers rest on."
@@ -853,10 +854,16 @@ class StudyResults:
         if not self.one_pass(): return '*No run of the study is stored yet: `make study` runs it.*'
         seq, L, v = self.seq, self.long, self.verdicts()
         b = lambda l, n, p, ph='main': f"{self.mean(l, n, p, ph):.3f}"
-        names = lambda ls: ', '.join(f'`{l}`' for l in ls)
+        most = max(len(self.runs(l)) for l in self.labels)
+        few = lambda l: len(self.runs(l)) < most     # fewer seeds than the rest: a wider interval, said where it counts
+        names = lambda ls: ', '.join(f'`{l}`' + (f' ({self.seed_note(l)})' if few(l) else '') for l in ls)
+        def wide(ls, j):   # 'as good' with fewer seeds: its interval, so that a large gap is not read as a tie
+            ws = [l for l in ls if few(l) and j.get(l, ('',))[0] == 'as good']
+            return ('; too few seeds to tell ' + ', '.join(f"`{l}` ({j[l][1]:+.3f} ± {j[l][2]:.3f})" for l in ws)
+                    + ' from the best') if ws else ''
         rows = []
         best, cheap, near = v['best_short'], v['cheapest_near'], v['near']
-        ev = '; '.join(f"`{l}` {b(l, seq, 'nonoverlap')}" for l in near) + f" at {seq} (protocol a)"
+        ev = '; '.join(f"`{l}` {b(l, seq, 'nonoverlap')}" for l in near) + f" at {seq} (protocol a)" + wide(near, v['judged']['short'])
         if not near: ev = 'no label has 2 seeds stored'
         if near and cheap != best and self.time_ratio(cheap) < self.time_ratio(best):
             ev += f"; `{cheap}` at {self.time_ratio(cheap):.2f}× the CPU time of `none` (`{best}`: {self.time_ratio(best):.2f}×)"
@@ -864,7 +871,8 @@ class StudyResults:
         for p, name in (('sliding', 'each byte with the longest context (sliding window)'), ('nonoverlap', 'in consecutive windows')):
             good = v['good_long'][p]
             rows.append((f'texts longer than you trained on, read in one pass, {name}', names(good) or 'not known',
-                         '; '.join(f"`{l}` {b(l, L, p)}" for l in good) + f" at {L} ({L // seq}×, protocol {'b' if p == 'sliding' else 'a'})"))
+                         '; '.join(f"`{l}` {b(l, L, p)}" for l in good) + f" at {L} ({L // seq}×, protocol {'b' if p == 'sliding' else 'a'})"
+                         + wide(good, v['judged']['long'][p])))
         bm, bo = v['best_memory']['nonoverlap'], v['best_long']['nonoverlap']
         if bm and bo:
             gain = self.mean(bm, L, 'nonoverlap') < self.mean(bo, L, 'nonoverlap')

@@ -415,7 +415,7 @@ def test_a_label_with_one_seed_gets_no_verdict_but_its_one_pair():
     v = R.verdicts()
     assert v['best_long']['sliding'] == 'alibi' and 'kerple' in v['unknown_long'] and 'kerple' not in v['good_long']['sliding']
     w = R.which_to_use()
-    assert '| not known yet (fewer than 2 seeds) | `kerple` |' in w and 'mean over 1–3 seeds' in w
+    assert '| not known yet (fewer than 2 seeds) | `kerple` (1 seed) |' in w and 'mean over 1–3 seeds' in w
     assert R.seed_note('kerple') == '1 seed' and R.seed_note('alibi') == '3 seeds'
 
 def test_the_best_memory_row_needs_two_seeds():
@@ -480,3 +480,14 @@ def test_chapter_11_tables_are_current():
         [c] = [c for c in nb['cells'] if c['cell_type'] == 'code' and call in ''.join(c['source'])]
         [got] = [''.join(o['data']['text/markdown']) for o in c['outputs'] if 'text/markdown' in o.get('data', {})]
         assert got == text, f'chapter 11: {call} is stale; execute the chapter (tools/execute_nb.py)'
+
+def test_a_tie_that_rests_on_fewer_seeds_says_so():
+    "With 2 seeds the 95% interval is 12.7 standard errors wide: a label far from the best can be 'as good'; the table says why."
+    runs = (_runs_of('alibi', [(2.0, 2.0, 2.0, 1.90), (2.0, 2.0, 2.0, 1.91), (2.0, 2.0, 2.0, 1.92)])
+            + _runs_of('fourier', [(2.0, 2.0, 2.0, 2.50), (2.0, 2.0, 2.0, 2.20)]))       # +0.6 and +0.29: interval holds 0
+    R = StudyResults(runs)
+    j = R.judge(1024)
+    assert j['fourier'][0] == 'as good' and j['fourier'][3] == 2
+    w = R.which_to_use()
+    assert '| texts longer than you trained on, read in one pass, each byte with the longest context (sliding window) | `fourier` (2 seeds), `alibi` |' in w
+    assert f"too few seeds to tell `fourier` ({j['fourier'][1]:+.3f} ± {j['fourier'][2]:.3f}) from the best" in w
