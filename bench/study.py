@@ -720,6 +720,10 @@ class StudyResults:
             if l not in seeded: out[l] = ('not known', math.nan, math.nan, len(self.runs(l, phase)))
         if not seeded: return out
         best = min(seeded, key=lambda l: self.mean(l, length, protocol, phase))
+        for l in finite:   # a label with one seed: its one paired difference with the best, no interval, no verdict
+            if l not in seeded:
+                d = self.paired_differences(l, best, length, protocol, phase)
+                out[l] = ('not known', statistics.mean(d) if d else math.nan, math.nan, len(d))
         for l in seeded:
             if l == best:
                 out[l] = ('best', 0.0, 0.0, len(self.runs(l, phase))); continue
@@ -735,7 +739,12 @@ class StudyResults:
         length = length or self.long
         v = self.judge(length, protocol, phase, labels)
         order = sorted(v, key=lambda l: (['best', 'as good', 'not known', 'worse', 'refused'].index(v[l][0]), v[l][1] if math.isfinite(v[l][1]) else 0))
-        fmt = lambda l: ('–' if v[l][0] in ('best', 'refused') else f"{v[l][1]:+.3f}" + ('' if math.isnan(v[l][2]) else f" ± {v[l][2]:.3f}") + f" ({v[l][3]})")
+        def fmt(l):
+            verdict, m, half, n = v[l]
+            if verdict in ('best', 'refused'): return '–'
+            if math.isnan(m): return f"– ({self.seed_note(l, phase)})"
+            if math.isnan(half): return f"{m:+.3f}, one pair: no interval ({self.seed_note(l, phase)})"
+            return f"{m:+.3f} ± {half:.3f} ({n})"
         rows = [f"| `{l}` | {self.params(l, phase)} | {self.fmt(l, length, protocol, phase)} | {fmt(l)} | {v[l][0]} |" for l in order]
         head = f"| label | parameters | bpb at {length} | difference with the best, 95% interval (pairs) | verdict |\n|---|---|---|---|---|\n"
         return head + '\n'.join(rows) + '\n\n' + VERDICT_RULE.format(length=length, multiple=length // self.seq,
@@ -745,6 +754,7 @@ class StudyResults:
         "The facts behind the 'which to use' table, each by `VERDICT_RULE`."
         seq, L = self.seq, self.long
         one, mem = self.one_pass(phase), self.memory_rows(phase)
+        mem2 = [l for l in mem if len(self.runs(l, phase)) >= 2]   # a mean of one seed recommends nothing
         m = lambda l, n, p: self.mean(l, n, p, phase)
         # at the training length only the models as trained compete: an evaluation-time variant is the same model there,
         # and a fine-tuned one had 10% more steps
@@ -759,19 +769,88 @@ class StudyResults:
                     best_long={p: next((l for l in long[p] if long[p][l][0] == 'best'), None) for p in PROTOCOLS},
                     good_long={p: [l for l in one if long[p].get(l, ('',))[0] in ('best', 'as good')] for p in PROTOCOLS},
                     unknown_long=[l for l in one if long['sliding'].get(l, ('',))[0] == 'not known'],
-                    best_memory={p: min(mem, key=lambda l: m(l, L, p)) if mem else None for p in PROTOCOLS},
+                    best_memory={p: min(mem2, key=lambda l: m(l, L, p)) if mem2 else None for p in PROTOCOLS},
                     refused=[l for l in one if long['sliding'].get(l, ('',))[0] == 'refused'],
-                    worse=[l for l in one if long['sliding'].get(l, ('',))[0] == 'worse'])
+                    worse=[l for l in one if long['sliding'].get(l, ('',))[0] == 'worse'],
+                    judged={'short': short, 'long': long})
+
+    def seed_note(self, label, phase='main') -> str:
+        "'1 seed', '3 seeds': how many runs a label's numbers rest on."
+        n = len(self.runs(label, phase))
+        return f"{n} seed{'s' * (n != 1)}"
+
+    # -- the papers' claims, checked by the same rule --------------------------------------------------------------
+    def compare(self, terms, protocol='sliding', phase='main') -> tuple:
+        """The sum of `terms` [(label, multiple of the training length, sign)], seed by seed over the seeds every term
+        has (refusals left out): ('lower' | 'higher' | 'tie' | 'not known', mean, half-width of its 95% t-interval,
+        seeds). 'lower': the interval lies below 0; fewer than 2 seeds: 'not known'."""
+        vals = []
+        for l, mult, _ in terms:
+            vals.append({r['seed']: r['evals'][l][protocol].get(str(mult * self.seq)) for r in self.runs(l, phase)})
+        common = sorted(set.intersection(*(set(v) for v in vals))) if vals else []
+        d = [sum(sg * v[k] for (_, _, sg), v in zip(terms, vals)) for k in common
+             if all(isinstance(v[k], (int, float)) for v in vals)]
+        if len(d) < 2: return ('not known', statistics.mean(d) if d else math.nan, math.nan, len(d))
+        m, half = statistics.mean(d), t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+        return ('lower' if m + half < 0 else 'higher' if m - half > 0 else 'tie', m, half, len(d))
+
+    def check_claim(self, claim:dict, protocol='sliding', phase='main') -> tuple:
+        """(verdict, [(what, outcome, text)]) for one of `PAPER_CLAIMS`. A check 'agrees' (it comes out as the paper says),
+        is 'not shown' (its interval holds 0), 'disagrees' (the opposite) or 'not known' (fewer than 2 seeds, or not
+        stored). The claim: 'agrees' when every check does; 'partly' when checks with 2+ seeds agree and others not;
+        'disagrees' ('not shown') when every check has 2+ seeds and none agrees, one (none) the opposite; else 'not known'."""
+        out = []
+        for what, terms, accept in claim['checks']:
+            missing = sorted({l for l, _, _ in terms if not self.runs(l, phase)})
+            if missing:
+                out.append((what, 'not known', 'not stored: ' + ', '.join(f'`{l}`' for l in missing))); continue
+            o, m, half, n = self.compare(terms, protocol, phase)
+            if o == 'not known':
+                few = min((l for l, _, _ in terms), key=lambda l: len(self.runs(l, phase)))
+                text = ('–' if math.isnan(m) else f"{m:+.3f}") + f", `{few}` has {self.seed_note(few, phase)}"
+            else: text = f"{m:+.3f} ± {half:.3f} ({n} seeds)"
+            v = 'agrees' if o in accept else o if o == 'not known' else 'not shown' if o == 'tie' else 'disagrees'
+            out.append((what, v, text + {'lower': ', lower', 'higher': ', higher', 'tie': ', interval holds 0'}.get(o, '')))
+        got = [o for _, o, _ in out]
+        known = [o for o in got if o != 'not known']
+        if got and all(o == 'agrees' for o in got): verdict = 'agrees'
+        elif 'agrees' in known and len(set(known)) > 1: verdict = 'partly'
+        elif known and len(known) == len(got) and 'agrees' not in known:
+            verdict = 'disagrees' if 'disagrees' in known else 'not shown'
+        else: verdict = 'not known'
+        return verdict, out
+
+    def claims_table(self, claims=None, protocol='sliding', phase='main') -> str:
+        """Markdown: each paper's claim about extrapolation, the checks that test it on the stored runs (paired seed
+        differences of bits per byte, protocol (b)), the verdict, and what differs between the paper's setting and this one."""
+        word = {'agrees': 'as the paper says', 'disagrees': 'the opposite of the paper', 'not shown': 'not shown', 'not known': 'no verdict'}
+        rows = []
+        for c in (PAPER_CLAIMS if claims is None else claims):
+            verdict, checks = self.check_claim(c, protocol, phase)
+            absent = {t for _, _, t in checks if t.startswith('not stored')}
+            ev = (f"{next(iter(absent))[len('not stored: '):]} not stored yet" if len(absent) == 1 and all(t in absent for _, _, t in checks)   # one line, not one per check
+                  else '; '.join(f"{what}: {text}, {word.get(o, o)}" for what, o, text in checks))
+            why = c['why'](self) if c.get('why') else ''
+            rows.append(f"| {c['paper']} | {c['claim']} | {ev} | **{verdict}** | {c['setting']}{'; ' + why if why else ''} |")
+        head = ("| paper | its claim | here: paired difference in bits per byte (b), 95% interval (seeds) | verdict | "
+                "its setting; what the stored runs show about the gap |\n|---|---|---|---|---|\n")
+        return head + '\n'.join(rows) + '\n\n' + CLAIM_RULE
 
     def which_to_use(self) -> str:
         "Markdown table: what to pick for which need, each row with the stored numbers it rests on, and the rule under it."
         if not self.one_pass(): return '*No run of the study is stored yet: `make study` runs it.*'
         seq, L, v = self.seq, self.long, self.verdicts()
         b = lambda l, n, p, ph='main': f"{self.mean(l, n, p, ph):.3f}"
-        names = lambda ls: ', '.join(f'`{l}`' for l in ls)
+        most = max(len(self.runs(l)) for l in self.labels)
+        few = lambda l: len(self.runs(l)) < most     # fewer seeds than the rest: a wider interval, said where it counts
+        names = lambda ls: ', '.join(f'`{l}`' + (f' ({self.seed_note(l)})' if few(l) else '') for l in ls)
+        def wide(ls, j):   # 'as good' with fewer seeds: its interval, so that a large gap is not read as a tie
+            ws = [l for l in ls if few(l) and j.get(l, ('',))[0] == 'as good']
+            return ('; too few seeds to tell ' + ', '.join(f"`{l}` ({j[l][1]:+.3f} ± {j[l][2]:.3f})" for l in ws)
+                    + ' from the best') if ws else ''
         rows = []
         best, cheap, near = v['best_short'], v['cheapest_near'], v['near']
-        ev = '; '.join(f"`{l}` {b(l, seq, 'nonoverlap')}" for l in near) + f" at {seq} (protocol a)"
+        ev = '; '.join(f"`{l}` {b(l, seq, 'nonoverlap')}" for l in near) + f" at {seq} (protocol a)" + wide(near, v['judged']['short'])
         if not near: ev = 'no label has 2 seeds stored'
         if near and cheap != best and self.time_ratio(cheap) < self.time_ratio(best):
             ev += f"; `{cheap}` at {self.time_ratio(cheap):.2f}× the CPU time of `none` (`{best}`: {self.time_ratio(best):.2f}×)"
@@ -779,7 +858,8 @@ class StudyResults:
         for p, name in (('sliding', 'each byte with the longest context (sliding window)'), ('nonoverlap', 'in consecutive windows')):
             good = v['good_long'][p]
             rows.append((f'texts longer than you trained on, read in one pass, {name}', names(good) or 'not known',
-                         '; '.join(f"`{l}` {b(l, L, p)}" for l in good) + f" at {L} ({L // seq}×, protocol {'b' if p == 'sliding' else 'a'})"))
+                         '; '.join(f"`{l}` {b(l, L, p)}" for l in good) + f" at {L} ({L // seq}×, protocol {'b' if p == 'sliding' else 'a'})"
+                         + wide(good, v['judged']['long'][p])))
         bm, bo = v['best_memory']['nonoverlap'], v['best_long']['nonoverlap']
         if bm and bo:
             gain = self.mean(bm, L, 'nonoverlap') < self.mean(bo, L, 'nonoverlap')
@@ -815,6 +895,112 @@ VERDICT_RULE = ("*Rule:* at {length} ({multiple}× the training length), {protoc
                 "every other label's difference with it is taken seed by seed (the same batches and, for runs that record "
                 "`init`, the same initial weights of the shared parameters); the 95% t-interval of the mean difference "
                 "holding 0 gives *as good*, lying above 0 *worse*; fewer than 2 seeds or paired seeds give *not known*.")
+
+CLAIM_RULE = ("*Rule:* a check sums bits per byte (protocol b) seed by seed over the seeds its labels share, e.g. `fox` "
+              "at 8× minus `rotary` at 8×. Its 95% t-interval below 0 is *lower*, above 0 *higher*; fewer than 2 seeds: "
+              "*not known*. A tie agrees with 'no rise' and leaves 'lower than' *not shown*. A claim *agrees* when every "
+              "check does, *partly* when some do, *disagrees* when every check has 2 seeds or more and none does (*not "
+              "shown* when none is the opposite either); otherwise *not known*.")
+
+def _rise(label, mult):
+    return (f"`{label}` {mult}× − 1×", [(label, mult, 1), (label, 1, -1)], {'lower', 'tie'})
+
+def _below(a, b, mult):
+    return (f"`{a}` − `{b}` at {mult}×", [(a, mult, 1), (b, mult, -1)], {'lower'})
+
+def _rises_less(a, b, mult):
+    return (f"rise 1×→{mult}×, `{a}` − `{b}`", [(a, mult, 1), (a, 1, -1), (b, mult, -1), (b, 1, 1)], {'lower'})
+
+def _fmt(x, spec='.3f'): return '–' if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+def _why_alibi(R):
+    L = R.long
+    others = [l for l in ('xl_paper', 'fourier') if R.runs(l) and R.mean(l, L) < R.mean('alibi', L)]
+    if not R.runs('alibi'): return ''
+    out = (f"attention entropy at 1×: `alibi` {_fmt(R.attention('alibi', R.seq, 'entropy'), '.1f')} bits" +
+           ''.join(f", `{l}` {_fmt(R.attention(l, R.seq, 'entropy'), '.1f')}" for l in others) +
+           f"; `alibi` reads {_fmt(R.mean('alibi', R.seq))} at 1×")
+    if others: out += '; lower at 8×, and not in the paper: ' + ', '.join(f"`{l}` {_fmt(R.mean(l, L))}" for l in others)
+    return out
+
+def _fire_bias(R, label):
+    r = next((r for r in R.runs(label) if r.get('fire_bias')), None)
+    return r['fire_bias'] if r else None
+
+def _why_fire(R):
+    fb, out = _fire_bias(R, 'fire'), []
+    if fb:
+        t = statistics.mean(fb['threshold'])
+        # distance 8 read by the last query of a window of 8T gets the bias training gave distance d at the last trained query
+        psi = lambda x, c: math.log(abs(c * x) + 1)
+        at = [(math.exp(psi(8, c) * psi(max(R.seq - 1, tt), c) / psi(max(R.long - 1, tt), c)) - 1) / c
+              for c, tt in zip(fb['c'], fb['threshold'])]
+        out.append(f"learned threshold L {t:.0f} (seed 0, mean of layers), below T = {R.seq}: the normaliser acts in training; "
+                   f"at 8× distance 8 gets the bias training gave distance {statistics.mean(at):.1f}")
+    if R.runs('fire+L512'): out.append(f"with L = 512 (`fire+L512`): {_fmt(R.mean('fire+L512', R.long))} at 8×")
+    return '; '.join(out)
+
+def _why_fox(R):
+    if not R.runs('fox'): return ''
+    return (f"attention mass at distance ≥ T at 8×: `fox` {_fmt(R.attention('fox', R.long), '.2f')}, "
+            f"`rotary` {_fmt(R.attention('rotary', R.long), '.2f')} (uniform {1 - R.seq / R.long:.3f})")
+
+def _why_xpos(R):
+    if not R.runs('xpos'): return ''
+    return (f"read here in one pass, without the blockwise causal attention the paper reads long inputs with; mass at "
+            f"distance ≥ T at 8×: `xpos` {_fmt(R.attention('xpos', R.long), '.2f')}, `rotary` {_fmt(R.attention('rotary', R.long), '.2f')}")
+
+def _why_kerple(R):
+    if not R.runs('kerple'): return ''
+    return (f"mass at distance ≥ T at 8×: `kerple` {_fmt(R.attention('kerple', R.long), '.2f')}, "
+            f"`alibi` {_fmt(R.attention('alibi', R.long), '.2f')}")
+
+def _why_cope(R):
+    if not R.runs('cope'): return ''
+    return f"`cope` at 1×: {_fmt(R.mean('cope', R.seq))}; at 8×: {_fmt(R.mean('cope', R.long))}"
+
+def _why_yarn(R):
+    r = next((r for r in R.runs('rotary') if r.get('finetune')), None)
+    ft = r['finetune'].get('rotary+yarn+ft') if r else None
+    return (f"fine-tune here: {ft['steps']} steps at {ft['length']} bytes" if ft else '') + \
+           f"; dynamic NTK raises its base with the length read, YaRN keeps factor {FT_MULTIPLE} after its fine-tune"
+
+def _why_nope(R):
+    if not R.runs('none'): return ''
+    return (f"`none` reads {_fmt(R.mean('none', R.seq))} at 1× (`rotary` {_fmt(R.mean('rotary', R.seq))}): it learned little "
+            f"use of context; its mass at distance ≥ T at 8× is {_fmt(R.attention('none', R.long), '.2f')}, uniform would be "
+            f"{1 - R.seq / R.long:.3f}")
+
+# Each paper's claim about reading past the training length, as the paper states it; the checks test it on the stored
+# runs at this study's scale (0.66 M parameters, 300 steps, bytes, T = 128), the `why` reads what the runs show about the gap.
+PAPER_CLAIMS = [
+    dict(paper='ALiBi (Press et al. 2022)', claim='trained short, read longer, it does not degrade, and beats rotary and T5 there',
+         checks=[_rise('alibi', 8), _below('alibi', 'rotary', 8), _below('alibi', 't5', 8)],
+         setting='WikiText-103, 247 M parameters, trained at 512 tokens or more', why=_why_alibi),
+    dict(paper='KERPLE (Chi et al. 2022)', claim='the log kernel extrapolates: no rise beyond the training length, below ALiBi there',
+         checks=[_rise('kerple', 8), _below('kerple', 'alibi', 8)],
+         setting='three language-modelling sets, trained at 512 tokens', why=_why_kerple),
+    dict(paper='xPos (Sun et al. 2022)', claim='extrapolates where rotary does not',
+         checks=[_below('xpos', 'rotary', 2), _below('xpos', 'rotary', 4), _below('xpos', 'rotary', 8)],
+         setting='trained at 1024 tokens, read at up to 4×', why=_why_xpos),
+    dict(paper='FIRE (Li et al. 2024)', claim='extrapolates better than ALiBi, KERPLE, T5 and rotary',
+         checks=[_below('fire', 'alibi', 8), _below('fire', 'kerple', 8), _below('fire', 't5', 8), _below('fire', 'rotary', 8)],
+         setting='C4, trained at 2048 tokens with L = 512', why=_why_fire),
+    dict(paper='FoX (Lin et al. 2025)', claim='extrapolates better than the rotary Transformer, with no position embedding',
+         checks=[_rise('fox', 8), _below('fox', 'rotary', 8)],
+         setting='hundreds of millions of parameters, billions of tokens', why=_why_fox),
+    dict(paper='CoPE (Golovneva et al. 2024)', claim='lower perplexity than token positions in language modelling',
+         checks=[_below('cope', 'absolute', 1), _below('cope', 'shaw', 1), _below('cope', 'rotary', 1)],
+         setting='WikiText-103 and code, and counting tasks', why=_why_cope),
+    dict(paper='YaRN (Peng et al. 2023)', claim='YaRN extends rotary better than dynamic NTK and linear interpolation, '
+         'with and without a short fine-tune',
+         checks=[_below('rotary+yarn', 'rotary+dynamic', 8), _below('rotary+yarn', 'rotary+linear', 8),
+                 _below('rotary+yarn+ft', 'rotary+dynamic+ft', FT_MULTIPLE), _below('rotary+yarn+ft', 'rotary+dynamic+ft', 8)],
+         setting='Llama 2 7B and 13B, fine-tuned for hundreds of steps', why=_why_yarn),
+    dict(paper='NoPE (Kazemnejad et al. 2023)', claim='a decoder without positions length-generalises better than one with them',
+         checks=[_rises_less('none', 'rotary', 8), _below('none', 'rotary', 8)],
+         setting='synthetic reasoning and copying tasks', why=_why_nope),
+]
 
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086)

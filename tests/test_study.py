@@ -395,3 +395,99 @@ def test_study_cpu_ratios_compared_with_chapter_09_benchmark():
     assert f'for {len(both) - len(off)} of {len(both)} methods' in said[0], said[0]
     named = sorted(re.findall(r'`([\w+]+)` differs', said[0]))
     assert named == sorted(off), f'chapter 11 names {named}, the stored data give {sorted(off)}: execute chapter 11'
+
+# -------------------------------------------------------------------------- labels with one seed, the papers' claims
+def _runs_of(label, per_seed, phase='main'):
+    "Runs of `label`, one per seed: `per_seed[s]` = its (b) bits per byte at 1x..8x (protocol (a) the same)."
+    return [_fake(label, s, {label: (v, v)}, phase) for s, v in enumerate(per_seed)]
+
+def test_a_label_with_one_seed_gets_no_verdict_but_its_one_pair():
+    "A label stored with one seed (a new method while the study runs) is never best, never recommended, never 'nan'."
+    runs = (_runs_of('alibi', [(2.0, 2.0, 2.0, 1.90), (2.0, 2.0, 2.0, 1.95), (2.0, 2.0, 2.0, 1.92)])
+            + _runs_of('fourier', [(2.0, 2.0, 2.0, 2.20), (2.0, 2.0, 2.0, 2.25), (2.0, 2.0, 2.0, 2.21)])
+            + _runs_of('kerple', [(1.5, 1.5, 1.5, 1.50)]))                    # the lowest mean, one seed
+    R = StudyResults(runs)
+    j = R.judge(1024)
+    assert j['alibi'][0] == 'best' and j['kerple'][0] == 'not known'
+    assert j['kerple'][1] == pytest.approx(1.50 - 1.90) and j['kerple'][3] == 1 and math.isnan(j['kerple'][2])
+    t = R.verdict_table(1024)
+    assert not re.search(r'\bnan\b', t) and '| `kerple` | 1,006 | 1.500 | -0.400, one pair: no interval (1 seed) | not known |' in t
+    v = R.verdicts()
+    assert v['best_long']['sliding'] == 'alibi' and 'kerple' in v['unknown_long'] and 'kerple' not in v['good_long']['sliding']
+    w = R.which_to_use()
+    assert '| not known yet (fewer than 2 seeds) | `kerple` (1 seed) |' in w and 'mean over 1–3 seeds' in w
+    assert R.seed_note('kerple') == '1 seed' and R.seed_note('alibi') == '3 seeds'
+
+def test_the_best_memory_row_needs_two_seeds():
+    "A memory row with one seed and the lowest mean is not the one recommended for reading segment by segment."
+    R = _synthetic()
+    R.all += [_fake('fourier+memory', 0, {'fourier+memory': ((1.0,) * 4, (1.0,) * 4)})]
+    R.labels.append('fourier+memory')
+    assert R.verdicts()['best_memory']['nonoverlap'] == 'alibi+memory'
+    assert '`fourier` with `mem_len`' not in R.which_to_use()
+
+def test_compare_is_the_paired_t_interval_of_the_sum_of_its_terms():
+    a = [(2.0, 2.1, 2.2, 2.30), (2.1, 2.2, 2.3, 2.45), (2.0, 2.0, 2.1, 2.20)]
+    b = [(2.0, 2.5, 2.9, 3.30), (2.1, 2.4, 2.8, 3.60), (2.0, 2.6, 3.0, 3.10)]
+    R = StudyResults(_runs_of('fourier', a) + _runs_of('rotary', b))
+    d = [x[3] - y[3] for x, y in zip(a, b)]                                  # fourier - rotary at 8x, seed by seed
+    o, m, half, n = R.compare([('fourier', 8, 1), ('rotary', 8, -1)])
+    assert (o, n) == ('lower', 3) and m == pytest.approx(statistics.mean(d))
+    assert half == pytest.approx(4.303 * statistics.stdev(d) / math.sqrt(3), rel=1e-3)
+    rise = [x[3] - x[0] - (y[3] - y[0]) for x, y in zip(a, b)]               # a difference of rises
+    assert R.compare([('fourier', 8, 1), ('fourier', 1, -1), ('rotary', 8, -1), ('rotary', 1, 1)])[1] == pytest.approx(statistics.mean(rise))
+    assert R.compare([('fourier', 1, 1), ('rotary', 1, -1)])[0] == 'tie'     # every difference 0
+    R1 = StudyResults(_runs_of('fourier', a[:1]) + _runs_of('rotary', b))
+    assert R1.compare([('fourier', 8, 1), ('rotary', 8, -1)])[0::3] == ('not known', 1)
+
+def test_each_claim_verdict_follows_the_rule():
+    flat, rising = (2.0, 2.0, 2.0, 2.0), (2.0, 2.4, 2.8, 3.2)
+    j = lambda v, s: tuple(x + 0.01 * s * (k == 3) for k, x in enumerate(v))   # seeds scatter a little at 8x
+    runs = (_runs_of('alibi', [j(flat, s) for s in range(3)]) + _runs_of('rotary', [j(rising, s) for s in range(3)])
+            + _runs_of('t5', [j((2.1, 2.1, 2.1, 2.1), s) for s in range(3)]) + _runs_of('kerple', [flat]))
+    R = StudyResults(runs)
+    claim = lambda *checks: dict(paper='P', claim='c', setting='s', checks=list(checks))
+    assert R.check_claim(claim(S._rise('alibi', 8), S._below('alibi', 'rotary', 8)))[0] == 'agrees'
+    assert R.check_claim(claim(S._below('rotary', 'alibi', 8)))[0] == 'disagrees'                      # the opposite
+    assert R.check_claim(claim(S._below('alibi', 'alibi', 8)))[0] == 'not shown'                       # a tie
+    assert R.check_claim(claim(S._below('alibi', 'rotary', 8), S._rise('rotary', 8)))[0] == 'partly'
+    verdict, checks = R.check_claim(claim(S._below('kerple', 'rotary', 8), S._below('alibi', 't5', 8)))
+    assert verdict == 'not known' and checks[0][1] == 'not known' and '`kerple` has 1 seed' in checks[0][2]
+    verdict, checks = R.check_claim(claim(S._below('fox', 'rotary', 8)))
+    assert verdict == 'not known' and checks[0][2] == 'not stored: `fox`'
+    t = R.claims_table([claim(S._rise('alibi', 8))])
+    assert '| P | c |' in t and '**agrees**' in t and '*Rule:*' in t and '95% t-interval' in t
+
+def test_every_claim_names_labels_the_study_stores():
+    "A claim about a label the study does not train would stay 'not stored' for ever: every label is one of the study's."
+    labels = {d for l in S.settings() for d in S.derived_labels(l)}
+    used = {l for c in S.PAPER_CLAIMS for _, terms, _ in c['checks'] for l, _, _ in terms}
+    assert used <= labels, used - labels
+    R = StudyResults([])                                 # nothing stored: every claim 'not known', every 'why' still renders
+    assert all(R.check_claim(c)[0] == 'not known' for c in S.PAPER_CLAIMS)
+    assert R.claims_table().count('**not known**') == len(S.PAPER_CLAIMS)
+
+def test_chapter_11_tables_are_current():
+    """Chapter 11's verdict tables and its check of the papers' claims are what the stored runs give now: a run
+    stored without re-executing the chapter (`make study`, or `python tools/execute_nb.py nbs/11_which_method.ipynb`) fails here."""
+    nb = json.loads((S.ROOT / 'nbs' / '11_which_method.ipynb').read_text())
+    R = StudyResults.load()
+    want = {'Markdown(R.claims_table())': R.claims_table(),
+            "Markdown(R.verdict_table(LONG, 'sliding'))": R.verdict_table(R.long, 'sliding'),
+            "Markdown(R.verdict_table(LONG, 'nonoverlap'))": R.verdict_table(R.long, 'nonoverlap'),
+            "Markdown(R.table('sliding'))": R.table('sliding')}
+    for call, text in want.items():
+        [c] = [c for c in nb['cells'] if c['cell_type'] == 'code' and call in ''.join(c['source'])]
+        [got] = [''.join(o['data']['text/markdown']) for o in c['outputs'] if 'text/markdown' in o.get('data', {})]
+        assert got == text, f'chapter 11: {call} is stale; execute the chapter (tools/execute_nb.py)'
+
+def test_a_tie_that_rests_on_fewer_seeds_says_so():
+    "With 2 seeds the 95% interval is 12.7 standard errors wide: a label far from the best can be 'as good'; the table says why."
+    runs = (_runs_of('alibi', [(2.0, 2.0, 2.0, 1.90), (2.0, 2.0, 2.0, 1.91), (2.0, 2.0, 2.0, 1.92)])
+            + _runs_of('fourier', [(2.0, 2.0, 2.0, 2.50), (2.0, 2.0, 2.0, 2.20)]))       # +0.6 and +0.29: interval holds 0
+    R = StudyResults(runs)
+    j = R.judge(1024)
+    assert j['fourier'][0] == 'as good' and j['fourier'][3] == 2
+    w = R.which_to_use()
+    assert '| texts longer than you trained on, read in one pass, each byte with the longest context (sliding window) | `fourier` (2 seeds), `alibi` |' in w
+    assert f"too few seeds to tell `fourier` ({j['fourier'][1]:+.3f} ± {j['fourier'][2]:.3f}) from the best" in w
