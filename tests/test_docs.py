@@ -563,3 +563,21 @@ def test_lesson_t5_states_where_the_last_bucket_starts():
     first = int(m.group(1))
     buckets = relative_position_bucket(-torch.arange(first - 1, first + 1), bidirectional=False)
     assert buckets.tolist() == [30, 31], f'distance {first - 1} is in bucket {buckets[0]}: the last bucket starts earlier'
+
+
+# ----------------------------------------------------------------------------- what a learner's read of the chapters found
+# Each test keeps one answered finding answered (../shared/reviews/learner-read-2026-11.md).
+
+def test_mha_input_checks_documented_after_the_lesson():
+    "Chapter 01's input checks stay exported and tested, but their API entries come under *Bad inputs*, after the lesson,"
+    " not between the interface and the module."
+    cells = _nb(ROOT/'nbs'/'01_mha.ipynb')['cells']
+    fast = next(i for i, c in enumerate(cells) if FAST_HEADING in _h2(c))
+    checks = ('check_sequence', 'size_or_one', 'prepare_mask')
+    for i, c in enumerate(cells[:fast]):
+        s = ''.join(c['source'])
+        if c['cell_type'] != 'code' or not re.match(r'#\|\s*exports?\b', s): continue
+        for name in checks:
+            if re.search(rf'^def {name}\b', s, re.M): assert '#| hide' in s, f'cell {i}: {name} gets its API entry in the lesson'
+    later = [''.join(c['source']) for c in cells[fast:]]
+    for name in checks: assert any(re.match(rf'show_doc\((MultiHeadAttention\.)?{name}\)', s) for s in later), name
