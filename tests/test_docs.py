@@ -581,3 +581,12 @@ def test_mha_input_checks_documented_after_the_lesson():
             if re.search(rf'^def {name}\b', s, re.M): assert '#| hide' in s, f'cell {i}: {name} gets its API entry in the lesson'
     later = [''.join(c['source']) for c in cells[fast:]]
     for name in checks: assert any(re.match(rf'show_doc\((MultiHeadAttention\.)?{name}\)', s) for s in later), name
+
+def test_fire_chapter_points_to_the_study_and_the_gpu():
+    "FIRE's chapter says where its extrapolation is put to the test (the study, both thresholds) and what it costs on a GPU."
+    nb = _nb(ROOT/'nbs'/'08b_fire.ipynb')
+    md = _markdown(nb)
+    assert '](11_which_method.ipynb)' in md and '`fire+L512`' in md
+    gpu = [''.join(o['data']['text/markdown']) for c in nb['cells'] if "stored_cuda('layers')" in ''.join(c['source'])
+           for o in c.get('outputs', []) if 'text/markdown' in o.get('data', {})]
+    assert len(gpu) == 1 and '](g1_gpu.ipynb)' in gpu[0] and 'SDPA' in gpu[0]
