@@ -582,6 +582,14 @@ def test_mha_input_checks_documented_after_the_lesson():
     later = [''.join(c['source']) for c in cells[fast:]]
     for name in checks: assert any(re.match(rf'show_doc\((MultiHeadAttention\.)?{name}\)', s) for s in later), name
 
+def test_study_chapter_notation_and_yarn():
+    "Chapter 11 writes the evaluation length n (L is FIRE's threshold only) and the rotary frequency theta_f, and says that"
+    " YaRN's attention factor sharpens the softmax: it multiplies cos and sin, so the scores by its square."
+    md = _markdown(_nb(ROOT/'nbs'/'11_which_method.ipynb'))
+    assert '\\theta_d' not in md and 'tempers the softmax' not in md and 'a sharper softmax' in md
+    for p in _paragraphs(md):
+        if re.search(r'\$[^$]*\bL\b[^$]*\$', p): assert 'FIRE' in p, f'$L$ outside FIRE: {p[:120]}'
+
 def test_fire_chapter_points_to_the_study_and_the_gpu():
     "FIRE's chapter says where its extrapolation is put to the test (the study, both thresholds) and what it costs on a GPU."
     nb = _nb(ROOT/'nbs'/'08b_fire.ipynb')
@@ -590,3 +598,8 @@ def test_fire_chapter_points_to_the_study_and_the_gpu():
     gpu = [''.join(o['data']['text/markdown']) for c in nb['cells'] if "stored_cuda('layers')" in ''.join(c['source'])
            for o in c.get('outputs', []) if 'text/markdown' in o.get('data', {})]
     assert len(gpu) == 1 and '](g1_gpu.ipynb)' in gpu[0] and 'SDPA' in gpu[0]
+
+def test_home_study_summary_states_no_run_counts():
+    "The docs home describes the study as the study chapter does, and leaves counts of its runs to that chapter."
+    md = _markdown(_nb(HOME))
+    assert not re.search(r'\b\d+ runs\b', md) and 'for the best methods' not in md
