@@ -599,6 +599,17 @@ def test_fire_chapter_points_to_the_study_and_the_gpu():
            for o in c.get('outputs', []) if 'text/markdown' in o.get('data', {})]
     assert len(gpu) == 1 and '](g1_gpu.ipynb)' in gpu[0] and 'SDPA' in gpu[0]
 
+def test_hf_chapter_says_which_positions_swap_and_why():
+    "Chapter 12 names the position methods a converted model can swap to, and why the others are refused; it repeats"
+    " rotary's caveat about `dynamic` and points to the guides with a tokenizer and a GPU."
+    from relpos.hf import SWAP_POSITIONS
+    from relpos.models import POSITIONS, BIAS_POSITIONS
+    md = _markdown(_nb(ROOT/'nbs'/'12_hf.ipynb'))
+    swap = next((p for p in _paragraphs(md) if '`SWAP_POSITIONS`' in p), '')
+    refused = [p for p in POSITIONS if p not in BIAS_POSITIONS and p not in SWAP_POSITIONS and p != 'absolute']
+    assert refused and all(f'`{p}`' in swap for p in refused), (refused, swap)
+    assert '](g0_generate.ipynb)' in md and '](g1_gpu.ipynb)' in md and 'With `dynamic` rope scaling' in md
+
 def test_home_study_summary_states_no_run_counts():
     "The docs home describes the study as the study chapter does, and leaves counts of its runs to that chapter."
     md = _markdown(_nb(HOME))
