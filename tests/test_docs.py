@@ -573,7 +573,7 @@ def test_mha_input_checks_documented_after_the_lesson():
     " not between the interface and the module."
     cells = _nb(ROOT/'nbs'/'01_mha.ipynb')['cells']
     fast = next(i for i, c in enumerate(cells) if FAST_HEADING in _h2(c))
-    checks = ('check_sequence', 'size_or_one', 'prepare_mask')
+    checks = ('check_sequence', 'size_or_one', 'check_inputs', 'prepare_mask', 'check_position_ids', 'check_position_order')
     for i, c in enumerate(cells[:fast]):
         s = ''.join(c['source'])
         if c['cell_type'] != 'code' or not re.match(r'#\|\s*exports?\b', s): continue
