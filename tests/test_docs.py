@@ -614,3 +614,22 @@ def test_home_study_summary_states_no_run_counts():
     "The docs home describes the study as the study chapter does, and leaves counts of its runs to that chapter."
     md = _markdown(_nb(HOME))
     assert not re.search(r'\b\d+ runs\b', md) and 'for the best methods' not in md
+
+def test_dynamic_rope_caveat_is_what_transformers_does():
+    "Chapters 06 and 12 say when a converted `dynamic` LLaMA and transformers' differ: on a call longer than"
+    " `max_position_embeddings` and shorter than one transformers' model saw since a shorter call reset its buffer."
+    torch = pytest.importorskip('torch'); transformers = pytest.importorskip('transformers')
+    from relpos.models import DecoderLM
+    import relpos.hf
+    for name in ('06_rotary.ipynb', '12_hf.ipynb'):
+        assert 'resets it' in _markdown(_nb(ROOT/'nbs'/name)), f'{name}: the caveat about `dynamic` does not say when transformers resets'
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   max_position_embeddings=16, rope_parameters={'rope_type': 'dynamic', 'factor': 2.0, 'rope_theta': 10000.0})
+    llama = transformers.LlamaForCausalLM(cfg).double().eval()
+    lm = DecoderLM.from_transformers(llama)
+    differs = []
+    for n in (8, 32, 24, 8, 20):   # fresh, growth, shorter than the grown length, reset, growth again
+        t = torch.randint(0, 64, (1, n))
+        with torch.no_grad(): differs.append(bool((lm(t)[0] - llama(t).logits).abs().max() > 1e-6))
+    assert differs == [False, False, True, False, False], differs
