@@ -588,7 +588,7 @@ def test_study_chapter_notation_and_yarn():
     md = _markdown(_nb(ROOT/'nbs'/'11_which_method.ipynb'))
     assert '\\theta_d' not in md and 'tempers the softmax' not in md and 'a sharper softmax' in md
     for p in _paragraphs(md):
-        if re.search(r'\$[^$]*\bL\b[^$]*\$', p): assert 'FIRE' in p, f'$L$ outside FIRE: {p[:120]}'
+        if re.search(r'\$[^$]*\bL\b[^$]*\$', p): assert 'FIRE' in p or '`fire' in p, f'$L$ outside FIRE: {p[:120]}'
 
 def test_fire_chapter_points_to_the_study_and_the_gpu():
     "FIRE's chapter says where its extrapolation is put to the test (the study, both thresholds) and what it costs on a GPU."
