@@ -871,7 +871,7 @@ class StudyResults:
                          + ('' if math.isnan(self.time_ratio(bm)) else f"; `{bm}` at {self.time_ratio(bm):.2f}× the CPU time of `none`")))
         worse, refused = v['worse'], v['refused']
         if worse or refused:
-            rows.append((f'not, beyond the training length: worse than the best at {L // seq}×', names(worse + refused),
+            rows.append((f'beyond the training length, avoid (worse than the best at {L // seq}×, protocol b)', names(worse + refused),
                          f"worse than the best at {L} by the rule (protocol b)" + (f"; {names(refused)} refuse{'s' * (len(refused) == 1)} longer inputs" if refused else '')))
         if v['unknown_long']:
             rows.append(('not known yet (fewer than 2 seeds)', names(v['unknown_long']), f"at {L} (protocol b)"))
@@ -884,7 +884,9 @@ class StudyResults:
                          f"{len(j)} labels of the long phase, {k} seeds" + (f": with {k} seeds the rule does not tell these apart" if len(good) > 1 else '')))
         n = sorted({len(self.runs(l)) for l in self.labels})
         seeds = f"{n[0]} seed{'s' * (n[0] != 1)}" if len(n) == 1 else f"{n[0]}–{n[-1]} seeds"
-        head = (f'| if you need | use | evidence (bits per byte, lower is better; mean over {seeds}; (a) every byte in '
+        # the rows of the long phase have fewer seeds than the main phase's: the header says what each mean is over
+        head = (f'| if you need | use | evidence (bits per byte, lower is better; mean over the seeds stored, {seeds} per label '
+                f'in the main phase; (a) every byte in '
                 f'consecutive windows, (b) sliding window) |\n|---|---|---|\n')
         rule = ("\n\n*Rule:* a row lists the best label (lowest mean among labels with 2 or more seeds) and every label whose "
                 "paired difference with it, seed by seed, has a 95% t-interval holding 0; with fewer than 2 seeds a verdict is *not known*.")

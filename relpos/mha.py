@@ -126,6 +126,7 @@ def expand_kv(x:torch.Tensor, # `[..., kv_heads, d_k]` keys or values (heads in 
     kv = x.shape[-2]
     return x if kv == heads else x.repeat_interleave(heads // kv, dim=-2)
 
+# %% ../nbs/01_mha.ipynb #69121df1
 def check_position_ids(position_ids,        # int tensor `[batch or 1, seq_len_k]` or `[seq_len_k]`
                        seq_len_k:int,        # keys: the ids are the keys' positions
                        batch:int,            # batch size of the call

@@ -563,3 +563,73 @@ def test_lesson_t5_states_where_the_last_bucket_starts():
     first = int(m.group(1))
     buckets = relative_position_bucket(-torch.arange(first - 1, first + 1), bidirectional=False)
     assert buckets.tolist() == [30, 31], f'distance {first - 1} is in bucket {buckets[0]}: the last bucket starts earlier'
+
+
+# ----------------------------------------------------------------------------- what a learner's read of the chapters found
+# Each test keeps one answered finding answered (../shared/reviews/learner-read-2026-11.md).
+
+def test_mha_input_checks_documented_after_the_lesson():
+    "Chapter 01's input checks stay exported and tested, but their API entries come under *Bad inputs*, after the lesson,"
+    " not between the interface and the module."
+    cells = _nb(ROOT/'nbs'/'01_mha.ipynb')['cells']
+    fast = next(i for i, c in enumerate(cells) if FAST_HEADING in _h2(c))
+    checks = ('check_sequence', 'size_or_one', 'check_inputs', 'prepare_mask', 'check_position_ids', 'check_position_order')
+    for i, c in enumerate(cells[:fast]):
+        s = ''.join(c['source'])
+        if c['cell_type'] != 'code' or not re.match(r'#\|\s*exports?\b', s): continue
+        for name in checks:
+            if re.search(rf'^def {name}\b', s, re.M): assert '#| hide' in s, f'cell {i}: {name} gets its API entry in the lesson'
+    later = [''.join(c['source']) for c in cells[fast:]]
+    for name in checks: assert any(re.match(rf'show_doc\((MultiHeadAttention\.)?{name}\)', s) for s in later), name
+
+def test_study_chapter_notation_and_yarn():
+    "Chapter 11 writes the evaluation length n (L is FIRE's threshold only) and the rotary frequency theta_f, and says that"
+    " YaRN's attention factor sharpens the softmax: it multiplies cos and sin, so the scores by its square."
+    md = _markdown(_nb(ROOT/'nbs'/'11_which_method.ipynb'))
+    assert '\\theta_d' not in md and 'tempers the softmax' not in md and 'a sharper softmax' in md
+    for p in _paragraphs(md):
+        if re.search(r'\$[^$]*\bL\b[^$]*\$', p): assert 'FIRE' in p or '`fire' in p, f'$L$ outside FIRE: {p[:120]}'
+
+def test_fire_chapter_points_to_the_study_and_the_gpu():
+    "FIRE's chapter says where its extrapolation is put to the test (the study, both thresholds) and what it costs on a GPU."
+    nb = _nb(ROOT/'nbs'/'08b_fire.ipynb')
+    md = _markdown(nb)
+    assert '](11_which_method.ipynb)' in md and '`fire+L512`' in md
+    gpu = [''.join(o['data']['text/markdown']) for c in nb['cells'] if "stored_cuda('layers')" in ''.join(c['source'])
+           for o in c.get('outputs', []) if 'text/markdown' in o.get('data', {})]
+    assert len(gpu) == 1 and '](g1_gpu.ipynb)' in gpu[0] and 'SDPA' in gpu[0]
+
+def test_hf_chapter_says_which_positions_swap_and_why():
+    "Chapter 12 names the position methods a converted model can swap to, and why the others are refused; it repeats"
+    " rotary's caveat about `dynamic` and points to the guides with a tokenizer and a GPU."
+    from relpos.hf import SWAP_POSITIONS
+    from relpos.models import POSITIONS, BIAS_POSITIONS
+    md = _markdown(_nb(ROOT/'nbs'/'12_hf.ipynb'))
+    swap = next((p for p in _paragraphs(md) if '`SWAP_POSITIONS`' in p), '')
+    refused = [p for p in POSITIONS if p not in BIAS_POSITIONS and p not in SWAP_POSITIONS and p != 'absolute']
+    assert refused and all(f'`{p}`' in swap for p in refused), (refused, swap)
+    assert '](g0_generate.ipynb)' in md and '](g1_gpu.ipynb)' in md and 'With `dynamic` rope scaling' in md
+
+def test_home_study_summary_states_no_run_counts():
+    "The docs home describes the study as the study chapter does, and leaves counts of its runs to that chapter."
+    md = _markdown(_nb(HOME))
+    assert not re.search(r'\b\d+ runs\b', md) and 'for the best methods' not in md
+
+def test_dynamic_rope_caveat_is_what_transformers_does():
+    "Chapters 06 and 12 say when a converted `dynamic` LLaMA and transformers' differ: on a call longer than"
+    " `max_position_embeddings` and shorter than one transformers' model saw since a shorter call reset its buffer."
+    torch = pytest.importorskip('torch'); transformers = pytest.importorskip('transformers')
+    from relpos.models import DecoderLM
+    import relpos.hf
+    for name in ('06_rotary.ipynb', '12_hf.ipynb'):
+        assert 'resets it' in _markdown(_nb(ROOT/'nbs'/name)), f'{name}: the caveat about `dynamic` does not say when transformers resets'
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   max_position_embeddings=16, rope_parameters={'rope_type': 'dynamic', 'factor': 2.0, 'rope_theta': 10000.0})
+    llama = transformers.LlamaForCausalLM(cfg).double().eval()
+    lm = DecoderLM.from_transformers(llama)
+    differs = []
+    for n in (8, 32, 24, 8, 20):   # fresh, growth, shorter than the grown length, reset, growth again
+        t = torch.randint(0, 64, (1, n))
+        with torch.no_grad(): differs.append(bool((lm(t)[0] - llama(t).logits).abs().max() > 1e-6))
+    assert differs == [False, False, True, False, False], differs
