@@ -560,6 +560,9 @@ def long_labels(results=None) -> list:
 # ---------------------------------------------------------------------------------------------------------------
 # Reading the stored runs (the chapter and the docs home)
 # ---------------------------------------------------------------------------------------------------------------
+# A difference whose 95% interval lies inside +-EQUIVALENCE_MARGIN bits per byte counts as none ('as good', 'tie'); an
+# interval that holds 0 but reaches past it supports neither 'as good' nor 'worse': 'not known'
+EQUIVALENCE_MARGIN = 0.1
 PROTOCOLS = {'nonoverlap': '(a) non-overlapping windows', 'sliding': f'(b) sliding window'}
 
 class StudyResults:
@@ -709,8 +712,8 @@ class StudyResults:
 
     def judge(self, length=None, protocol='sliding', phase='main', labels=None) -> dict:
         """`{label: (verdict, mean difference to the best, half-width of its 95% interval, pairs)}` at `length` by
-        `VERDICT_RULE`: 'best' (lowest mean), 'as good' (the interval of the paired difference with the best holds 0),
-        'worse' (it lies above 0), 'not known' (fewer than 2 paired seeds), 'refused'."""
+        `VERDICT_RULE`: 'best' (lowest mean), 'worse' (the interval of the paired difference with the best lies above 0),
+        'as good' (it lies inside +-`EQUIVALENCE_MARGIN`), 'not known' (neither, or fewer than 2 paired seeds), 'refused'."""
         length = length or self.long
         ls = [l for l in (labels or self.labels) if self.runs(l, phase)]
         finite = [l for l in ls if math.isfinite(self.mean(l, length, protocol, phase))]
@@ -731,7 +734,7 @@ class StudyResults:
             if len(d) < 2:
                 out[l] = ('not known', statistics.mean(d) if d else math.nan, math.nan, len(d)); continue
             m, half = statistics.mean(d), t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
-            out[l] = ('as good' if m - half <= 0 else 'worse', m, half, len(d))
+            out[l] = (_verdict(m, half), m, half, len(d))
         return out
 
     def verdict_table(self, length=None, protocol='sliding', phase='main', labels=None) -> str:
@@ -783,7 +786,8 @@ class StudyResults:
     def compare(self, terms, protocol='sliding', phase='main') -> tuple:
         """The sum of `terms` [(label, multiple of the training length, sign)], seed by seed over the seeds every term
         has (refusals left out): ('lower' | 'higher' | 'tie' | 'not known', mean, half-width of its 95% t-interval,
-        seeds). 'lower': the interval lies below 0; fewer than 2 seeds: 'not known'."""
+        seeds). 'lower': the interval lies below 0; 'tie': inside +-`EQUIVALENCE_MARGIN`; else, or with fewer than 2
+        seeds: 'not known'."""
         vals = []
         for l, mult, _ in terms:
             vals.append({r['seed']: r['evals'][l][protocol].get(str(mult * self.seq)) for r in self.runs(l, phase)})
@@ -792,7 +796,8 @@ class StudyResults:
              if all(isinstance(v[k], (int, float)) for v in vals)]
         if len(d) < 2: return ('not known', statistics.mean(d) if d else math.nan, math.nan, len(d))
         m, half = statistics.mean(d), t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
-        return ('lower' if m + half < 0 else 'higher' if m - half > 0 else 'tie', m, half, len(d))
+        return ('lower' if m + half < 0 else 'higher' if m - half > 0 else 'tie' if _inside(m, half) else 'not known',
+                m, half, len(d))
 
     def check_claim(self, claim:dict, protocol='sliding', phase='main') -> tuple:
         """(verdict, [(what, outcome, text)]) for one of `PAPER_CLAIMS`. A check 'agrees' (it comes out as the paper says),
@@ -805,7 +810,9 @@ class StudyResults:
             if missing:
                 out.append((what, 'not known', 'not stored: ' + ', '.join(f'`{l}`' for l in missing))); continue
             o, m, half, n = self.compare(terms, protocol, phase)
-            if o == 'not known':
+            if o == 'not known' and n >= 2:
+                text = f"{m:+.3f} ± {half:.3f} ({n} seeds), the interval reaches past ±{EQUIVALENCE_MARGIN:g}"
+            elif o == 'not known':
                 few = min((l for l, _, _ in terms), key=lambda l: len(self.runs(l, phase)))
                 text = ('–' if math.isnan(m) else f"{m:+.3f}") + f", `{few}` has {self.seed_note(few, phase)}"
             else: text = f"{m:+.3f} ± {half:.3f} ({n} seeds)"
@@ -844,13 +851,9 @@ class StudyResults:
         most = max(len(self.runs(l)) for l in self.labels)
         few = lambda l: len(self.runs(l)) < most     # fewer seeds than the rest: a wider interval, said where it counts
         names = lambda ls: ', '.join(f'`{l}`' + (f' ({self.seed_note(l)})' if few(l) else '') for l in ls)
-        def wide(ls, j):   # 'as good' with fewer seeds: its interval, so that a large gap is not read as a tie
-            ws = [l for l in ls if few(l) and j.get(l, ('',))[0] == 'as good']
-            return ('; too few seeds to tell ' + ', '.join(f"`{l}` ({j[l][1]:+.3f} ± {j[l][2]:.3f})" for l in ws)
-                    + ' from the best') if ws else ''
         rows = []
         best, cheap, near = v['best_short'], v['cheapest_near'], v['near']
-        ev = '; '.join(f"`{l}` {b(l, seq, 'nonoverlap')}" for l in near) + f" at {seq} (protocol a)" + wide(near, v['judged']['short'])
+        ev = '; '.join(f"`{l}` {b(l, seq, 'nonoverlap')}" for l in near) + f" at {seq} (protocol a)"
         if not near: ev = 'no label has 2 seeds stored'
         if near and cheap != best and self.time_ratio(cheap) < self.time_ratio(best):
             ev += f"; `{cheap}` at {self.time_ratio(cheap):.2f}× the CPU time of `none` (`{best}`: {self.time_ratio(best):.2f}×)"
@@ -858,8 +861,7 @@ class StudyResults:
         for p, name in (('sliding', 'each byte with the longest context (sliding window)'), ('nonoverlap', 'in consecutive windows')):
             good = v['good_long'][p]
             rows.append((f'texts longer than you trained on, read in one pass, {name}', names(good) or 'not known',
-                         '; '.join(f"`{l}` {b(l, L, p)}" for l in good) + f" at {L} ({L // seq}×, protocol {'b' if p == 'sliding' else 'a'})"
-                         + wide(good, v['judged']['long'][p])))
+                         '; '.join(f"`{l}` {b(l, L, p)}" for l in good) + f" at {L} ({L // seq}×, protocol {'b' if p == 'sliding' else 'a'})"))
         bm, bo = v['best_memory']['nonoverlap'], v['best_long']['nonoverlap']
         if bm and bo:
             gain = self.mean(bm, L, 'nonoverlap') < self.mean(bo, L, 'nonoverlap')
@@ -874,14 +876,18 @@ class StudyResults:
             rows.append((f'beyond the training length, avoid (worse than the best at {L // seq}×, protocol b)', names(worse + refused),
                          f"worse than the best at {L} by the rule (protocol b)" + (f"; {names(refused)} refuse{'s' * (len(refused) == 1)} longer inputs" if refused else '')))
         if v['unknown_long']:
-            rows.append(('not known yet (fewer than 2 seeds)', names(v['unknown_long']), f"at {L} (protocol b)"))
+            rows.append(('not known yet (fewer than 2 seeds, or seeds that disagree too much)', names(v['unknown_long']),
+                         '; '.join(f"`{l}` {b(l, L, 'sliding')}" for l in v['unknown_long']) + f" at {L} (protocol b)"))
         if any(r['phase'] == 'long' for r in self.all):
             j = self.judge(L, 'sliding', 'long')
-            good = [l for l in self.ranking('sliding', L, 'long') if j.get(l, ('',))[0] in ('best', 'as good')]
+            ranked = self.ranking('sliding', L, 'long')
+            good = [l for l in ranked if j.get(l, ('',))[0] in ('best', 'as good')]
+            open_ = [l for l in ranked if j.get(l, ('',))[0] == 'not known']
             k = len(self.runs(good[0], 'long'))
             rows.append(('(after 4× the steps)', names(good),
-                         '; '.join(f"`{l}` {b(l, L, 'sliding', 'long')}" for l in good) + f' at {L} (b), among '
-                         f"{len(j)} labels of the long phase, {k} seeds" + (f": with {k} seeds the rule does not tell these apart" if len(good) > 1 else '')))
+                         '; '.join(f"`{l}` {b(l, L, 'sliding', 'long')}" for l in good + open_) + f' at {L} (b), among '
+                         f"{len(j)} labels of the long phase, {k} seeds"
+                         + (f"; with {k} seeds the rule tells neither *as good* nor *worse* for {names(open_)}" if open_ else '')))
         n = sorted({len(self.runs(l)) for l in self.labels})
         seeds = f"{n[0]} seed{'s' * (n[0] != 1)}" if len(n) == 1 else f"{n[0]}–{n[-1]} seeds"
         # the rows of the long phase have fewer seeds than the main phase's: the header says what each mean is over
@@ -889,18 +895,20 @@ class StudyResults:
                 f'in the main phase; (a) every byte in '
                 f'consecutive windows, (b) sliding window) |\n|---|---|---|\n')
         rule = ("\n\n*Rule:* a row lists the best label (lowest mean among labels with 2 or more seeds) and every label whose "
-                "paired difference with it, seed by seed, has a 95% t-interval holding 0; with fewer than 2 seeds a verdict is *not known*.")
+                f"paired difference with it, seed by seed, has a 95% t-interval inside ±{EQUIVALENCE_MARGIN:g} bits per byte; "
+                "an interval that holds 0 but reaches further, or fewer than 2 seeds, give *not known*.")
         return head + '\n'.join(f'| {a} | {u} | {e} |' for a, u, e in rows) + rule
 
 VERDICT_RULE = ("*Rule:* at {length} ({multiple}× the training length), {protocol}: of the labels with 2 or more seeds, the "
                 "one of lowest mean is *best*; "
                 "every other label's difference with it is taken seed by seed (the same batches and, for runs that record "
                 "`init`, the same initial weights of the shared parameters); the 95% t-interval of the mean difference "
-                "holding 0 gives *as good*, lying above 0 *worse*; fewer than 2 seeds or paired seeds give *not known*.")
+                f"lying above 0 gives *worse*, inside ±{EQUIVALENCE_MARGIN:g} bits per byte *as good* (a difference that "
+                "small counts as none); otherwise, and with fewer than 2 seeds or paired seeds, *not known*.")
 
 CLAIM_RULE = ("*Rule:* a check sums bits per byte (protocol b) seed by seed over the seeds its labels share, e.g. `fox` "
-              "at 8× minus `rotary` at 8×. Its 95% t-interval below 0 is *lower*, above 0 *higher*; fewer than 2 seeds: "
-              "*not known*. A tie agrees with 'no rise' and leaves 'lower than' *not shown*. A claim *agrees* when every "
+              "at 8× minus `rotary` at 8×. Its 95% t-interval below 0 is *lower*, above 0 *higher*, inside "
+              f"±{EQUIVALENCE_MARGIN:g} a *tie*; otherwise, or with fewer than 2 seeds: *not known*. A tie agrees with 'no rise' and leaves 'lower than' *not shown*. A claim *agrees* when every "
               "check does, *partly* when some do, *disagrees* when every check has 2 seeds or more and none does (*not "
               "shown* when none is the opposite either); otherwise *not known*.")
 
@@ -912,6 +920,12 @@ def _below(a, b, mult):
 
 def _rises_less(a, b, mult):
     return (f"rise 1×→{mult}×, `{a}` − `{b}`", [(a, mult, 1), (a, 1, -1), (b, mult, -1), (b, 1, 1)], {'lower'})
+
+def _inside(m, half): return -EQUIVALENCE_MARGIN <= m - half and m + half <= EQUIVALENCE_MARGIN
+
+def _verdict(m, half) -> str:
+    "A label's verdict from its paired difference with the best: mean `m`, half-width `half` of the 95% interval."
+    return 'worse' if m - half > 0 else 'as good' if _inside(m, half) else 'not known'
 
 def _fmt(x, spec='.3f'): return '–' if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
