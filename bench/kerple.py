@@ -1,4 +1,6 @@
-"Benchmark for `relpos.kerple` (nbs/08c_kerple.ipynb): a causal training step of the layer, both kernels, against the same projections around SDPA with `is_causal=True`."
+"Benchmark for `relpos.kerple` (nbs/08c_kerple.ipynb): a causal training step of the layer, both kernels, against the same projections around SDPA with `is_causal=True`, and beside the rotary layer in the same run."
+import torch
+from relpos.rotary import RotaryMultiHeadAttention
 from relpos.kerple import KerpleMultiHeadAttention
 from relpos.bench import bench_table
 from bench.rotary import CausalSDPA, layer_case
@@ -7,6 +9,11 @@ from bench.rotary import CausalSDPA, layer_case
 def make_sdpa(n, causal=True, **kw):
     "Baseline: the same projections, then `F.scaled_dot_product_attention(is_causal=True)` (no position term, no mask tensor)."
     return layer_case(CausalSDPA, n, **kw)
+
+
+def make_rotary(n, causal=True, **kw):
+    "`RotaryMultiHeadAttention` given the causal bool mask (SDPA with `is_causal=True` after the rotation): the usual position method's cost."
+    return layer_case(RotaryMultiHeadAttention, n, causal=True, **kw)
 
 
 def make_kerple_log(n, causal=True, **kw):
@@ -19,8 +26,15 @@ def make_kerple_power(n, causal=True, **kw):
     return layer_case(KerpleMultiHeadAttention, n, causal=True, kernel='power', **kw)
 
 
-def main(sizes=(512, 2048), reps=5):
-    return bench_table({'sdpa': 'bench.kerple:make_sdpa', 'kerple log': 'bench.kerple:make_kerple_log',
-                        'kerple power': 'bench.kerple:make_kerple_power'},
-                       [dict(n=n, causal=True) for n in sizes], baseline='sdpa', reps=reps,
-                       title='Causal: attention layer, batch 4, 8 heads, d_model 512, dropout 0 (baseline: is_causal=True)')
+def main(sizes=(512, 2048), reps=5,
+         clock='wall',   # 'cpu': CPU time of the process, which other jobs on a shared machine distort least
+         threads=None):  # torch threads for the run (None: torch's default)
+    "The table; with `clock='cpu', threads=1` every case is timed in CPU time on one thread, each time also divided by rotary's."
+    before = torch.get_num_threads()
+    if threads is not None: torch.set_num_threads(threads)
+    try:
+        return bench_table({'sdpa': 'bench.kerple:make_sdpa', 'rotary': 'bench.kerple:make_rotary',
+                            'kerple log': 'bench.kerple:make_kerple_log', 'kerple power': 'bench.kerple:make_kerple_power'},
+                           [dict(n=n, causal=True) for n in sizes], baseline='sdpa', reps=reps, clock=clock, also='rotary',
+                           title='Causal: attention layer, batch 4, 8 heads, d_model 512, dropout 0 (baseline: is_causal=True)')
+    finally: torch.set_num_threads(before)

@@ -98,6 +98,7 @@ class _ToeplitzBiasAttention(torch.autograd.Function):
         # below is rows x (rows + keys - 1)
         c = min(nq, 512, max(16, 2**18 // max(1, nk)))
         first_key = nq - 1 if causal else nk     # row i sees reversed keys j' >= first_key - i (causal)
+        underflow = float(np.log(torch.finfo(q.dtype).tiny))   # exp below it is subnormal (or 0)
 
         def blocks(w, head_group):   # one worker: its heads, single-threaded, its own scratch buffer
             scratch = q.new_empty(c * (c + nk - 1))
@@ -114,7 +115,11 @@ class _ToeplitzBiasAttention(torch.autograd.Function):
                         padded = scratch[:rows * width].view(rows, width).zero_()
                         p = padded.as_strided((rows, cols), (width + 1, 1))
                         torch.mm(qa[b, h, i0:i1], ka[b, h, lo:].T, out=p)
-                        p.add_(flipped.as_strided((rows, cols), (1, 1), h * flipped.shape[1] + i0 + lo)).exp_()
+                        p.add_(flipped.as_strided((rows, cols), (1, 1), h * flipped.shape[1] + i0 + lo))
+                        # exp of an input below log(smallest normal) takes a slow path (about 10x), and a bias that falls
+                        # steeply with distance (KERPLE's power kernel, ALiBi far off) sends most scores there: such
+                        # entries become exactly 0, as a flush-to-zero unit would make them (threshold keeps NaN)
+                        F.threshold_(p, underflow, float('-inf')).exp_()
                         dv[b, h, lo:].addmm_(p.T, grad_out[b, h, i0:i1])
                         ds = p.mul_(torch.mm(ga[b, h, i0:i1], va[b, h, lo:].T))      # P * (dP - D)
                         dflipped[h, i0 + lo:i0 + lo + width] += padded.sum(0)

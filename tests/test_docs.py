@@ -540,6 +540,34 @@ def test_sentences_from_the_cost_tables_are_current(monkeypatch):
             checked.append(nb.name)
     assert {'index.ipynb', '06_rotary.ipynb', '07_alibi.ipynb', '08_t5.ipynb'} <= set(checked), checked
 
+NEW_METHOD_BENCH = {'06b_xpos.ipynb': ['xpos'], '08d_fox.ipynb': ['fox'], '08c_kerple.ipynb': ['kerple log', 'kerple power']}
+
+@pytest.mark.parametrize('name', sorted(NEW_METHOD_BENCH))
+def test_cost_of_new_methods_stored_at_2048_beside_sdpa_and_rotary(name, monkeypatch):
+    "The chapters of xPos, FoX and KERPLE store a training step at n = 2048 of causal SDPA, rotary and the method from one"
+    " run, timed in CPU time on one thread (other jobs' time slices add nothing), each time also divided by rotary's; the"
+    " sentence under the table, made from it, shows what it holds now."
+    from IPython.display import Markdown
+    from relpos.bench import stored_tables, row
+    monkeypatch.chdir(ROOT/'nbs')
+    table = stored_tables(name)[0]
+    assert 'time = CPU time of the process' in table['note'] and 'cpu, 1 threads' in table['note'], table['note']
+    for case in ['sdpa', 'rotary'] + NEW_METHOD_BENCH[name]:
+        r = row(table, case, n=2048)
+        assert r['time_ratio'] is not None and r['peak_ratio'] is not None and r.get('also_ratio') is not None, r
+    cells = [c for c in _nb(ROOT/'nbs'/name)['cells'] if c['cell_type'] == 'code'
+             and ''.join(c['source']).startswith('#| echo: false') and f"stored_tables('{name}')" in ''.join(c['source'])]
+    assert cells, f'{name}: no sentence made from its benchmark table'
+    for c in cells:
+        src = ''.join(c['source'])
+        stored = [''.join(o['data']['text/markdown']) for o in c.get('outputs', []) if 'text/markdown' in o.get('data', {})]
+        k = src.rindex('\nMarkdown(')
+        ns = dict(Markdown=Markdown, stored_tables=stored_tables, row=row)
+        exec(src[:k], ns)
+        got = eval(src[k + 1:], ns).data
+        assert stored == [got], f'{name}: re-execute it (tools/execute_nb.py), its sentence is stale'
+        assert '$n = 2048$' in got, got
+
 def test_study_answer_current(monkeypatch):
     "The study's short answer, quoted on the docs home and in the guide to picking a method, is what the stored runs"
     " give now (`make study` re-executes both)."

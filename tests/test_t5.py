@@ -161,6 +161,36 @@ def test_fast_equals_readable_many_blocks_and_workers():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_backward_exp_sees_no_input_that_underflows(dtype):
+    "A steeply falling bias (KERPLE's power kernel, ALiBi far off) puts most scores far below 0: the backward's exp, whose"
+    " slow path takes the inputs below log(smallest normal), sees none of them (they are 0 already, -inf going in), and"
+    " the gradients still equal the reference's."
+    from torch.utils._python_dispatch import TorchDispatchMode
+    tiny = math.log(torch.finfo(dtype).tiny)
+    seen = []
+    class ExpInputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.exp_.default, torch.ops.aten.exp.default):
+                x = args[0]; seen.append(x[torch.isfinite(x)].min().item() if torch.isfinite(x).any() else math.inf)
+            return func(*args, **(kwargs or {}))
+    torch.manual_seed(0)
+    h, n, d = 2, 40, 8
+    q, k, v = (torch.randn(1, h, n, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    r = torch.arange(-(n - 1), n, dtype=dtype).abs()
+    t = (-r * torch.tensor([[20.0], [60.0]], dtype=dtype)).requires_grad_()   # down to -780 and -2340 (float64 underflows below -708)
+    for causal in (False, True):
+        fast = toeplitz_attention(q, k, v, t, 0.3, causal)
+        g = torch.randn_like(fast)
+        seen.clear()
+        with ExpInputs(): grads = torch.autograd.grad(fast, (q, k, v, t), g)
+        assert seen and min(seen) >= tiny, (min(seen), tiny)
+        ref = _toeplitz_attention_reference(q, k, v, t, 0.3, causal)
+        tol = 1e-5 if dtype == torch.float32 else 1e-10   # absolute: near one-hot weights leave q's gradient at rounding level
+        for a, b in zip(grads, torch.autograd.grad(ref, (q, k, v, t), g)):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
 def test_distance_bias_shape_checked():
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="distance_bias"):
