@@ -652,6 +652,14 @@ def make_memorizing(self:DecoderLM, layer:int,  # index of the layer
         raise ValueError(f"memorizing_layers: layer {layer}'s attention (position={name!r}, {type(attn.module).__name__}) "
                          f"cannot be the local side of a kNN layer, which needs a relpos.mha.MultiHeadAttention taking keys "
                          f"longer than queries (positions that continue across calls) and its paths run on the projections alone; use one of {KNN_LOCAL_POSITIONS}")
+    if local.kv_heads != local.heads or local.d_k * local.heads != self.d_model:
+        # the kNN memory stores one key and value per query head of d_model // heads features
+        raise ValueError(f"memorizing_layers: layer {layer} has kv_heads={local.kv_heads}, head_dim={local.d_k}, but a kNN "
+                         f"layer needs one key/value head per query head of d_model // heads = {self.d_model // self.heads} "
+                         f"features; use kv_heads=None, head_dim=None")
+    if local.query_temperature is not None:   # applied by the layer's own forward, which the kNN layer does not call
+        raise ValueError(f"memorizing_layers: layer {layer} has query_temperature={local.query_temperature}, which a kNN "
+                         f"layer does not apply; leave its layer type without one (layer_positions) or query_temperature=None")
     knn = MemorizingAttention(self.heads, self.d_model, self.attention_dropout, knn_capacity=self.knn_capacity,
                               top_k=self.top_k, local=local, knn_memory=self.knn_memory,
                               knn_memory_kwargs=self.knn_memory_kwargs)
@@ -813,6 +821,10 @@ def _check_positions(self:DecoderLM, tokens, m:int, position_ids, attention_mask
                              f"{tuple(attention_mask.shape)}")
         if attention_mask.device != dev:
             raise ValueError(f"attention_mask is on {attention_mask.device} but the model's parameters are on {dev}")
+        if self.memorizing_layers and not bool(attention_mask.all()):
+            # a kNN layer stores every key of the segment: padding would be retrieved by the calls after this one
+            raise ValueError(f"attention_mask: the kNN layers (memorizing_layers={self.memorizing_layers}) would store the "
+                             f"padding's keys and values in their memories; pass rows without padding")
     return position_ids, attention_mask
 
 # %% ../nbs/09_models.ipynb #7bbd2718

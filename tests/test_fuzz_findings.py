@@ -71,3 +71,30 @@ def test_to_transformers_reads_a_layer_of_the_models_own_position():
     lm = tiny(position='absolute', layer_positions={'full_attention': {'position': 'shaw'}})
     with pytest.raises(ValueError, match="to_transformers: layer_positions"):
         lm.to_transformers()
+
+
+@pytest.mark.parametrize('kw', [dict(kv_heads=1), dict(head_dim=4)])
+def test_knn_layer_with_grouped_heads_is_refused_when_built(kw):
+    "kv_heads / head_dim in a kNN layer built, then its first forward failed inside KNNMemory on the keys' shape."
+    with pytest.raises(ValueError, match="memorizing_layers: layer 0 has kv_heads"):
+        tiny(position='rotary', memorizing_layers=(0,), **kw)
+
+
+def test_knn_layer_with_query_temperature_is_refused():
+    "A kNN layer calls its local side's paths, not its forward: query_temperature was dropped silently."
+    with pytest.raises(ValueError, match="memorizing_layers: layer 1 has query_temperature"):
+        tiny(position='rotary', memorizing_layers=(1,), query_temperature=(1, 0.5))
+    tiny(position='rotary', memorizing_layers=(1,), layer_types=['full_attention', 'sliding_attention'], sliding_window=2,
+         layer_positions={'full_attention': dict(query_temperature=(1, 0.5))})   # only layer 0 has one: built
+
+
+def test_knn_layers_refuse_padding():
+    "A kNN layer stored the padding's keys: the next call retrieved them (0.2 on the logits); an all-ones mask still runs."
+    lm = tiny(position='xl', memorizing_layers=(0,), knn_capacity=64, top_k=2)
+    t = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="attention_mask: the kNN layers"):
+        lm(t, attention_mask=torch.tensor([[0, 0, 0, 1, 1, 1, 1]]))
+    lm.release_knn_memory()
+    want = lm(t)[0]
+    lm.release_knn_memory()
+    assert torch.equal(lm(t, attention_mask=torch.ones(1, 7, dtype=torch.long))[0], want)

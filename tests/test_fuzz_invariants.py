@@ -12,18 +12,20 @@ query temperature, memory length, tied embeddings, ...), perturbs every paramete
 5. `to_transformers()`, where it converts, gives the same logits (transformers' float32 steps in float64);
 6. eval, train mode (every dropout 0), `no_grad` and `inference_mode` give the same logits;
 7. a Transformer-XL memory holding the whole first segment gives the one-pass logits of the second.
-Derandomized, no example database: the same examples on every run."""
-import copy, io, math, pickle, warnings
+Derandomized, no example database: the same examples on every run (`RELPOS_FUZZ_EXAMPLES` sets how many)."""
+import copy, io, math, os, pickle, warnings
 from collections import Counter
 import pytest
 import torch
 from hypothesis import given, settings, HealthCheck, strategies as st, reject, note
 
-from relpos.models import (DecoderLM, POSITIONS, GQA_POSITIONS, BIAS_POSITIONS, SOFTCAP_POSITIONS, FFNS, QK_NORMS)
+from relpos.models import (DecoderLM, POSITIONS, GQA_POSITIONS, BIAS_POSITIONS, SOFTCAP_POSITIONS, FFNS, QK_NORMS,
+                           KNN_LOCAL_POSITIONS)
 
 TOL = 1e-10
 V = 20
-FUZZ = settings(max_examples=15, deadline=None, derandomize=True, database=None, print_blob=False,
+# RELPOS_FUZZ_EXAMPLES=100: a deeper search (minutes), e.g. after adding a switch
+FUZZ = settings(max_examples=int(os.environ.get('RELPOS_FUZZ_EXAMPLES', 15)), deadline=None, derandomize=True, database=None, print_blob=False,
                 suppress_health_check=list(HealthCheck))
 MHA_POSITIONS = tuple(p for p in POSITIONS if p != 'shaw')   # relpos.mha.MultiHeadAttention subclasses: qk_norm, bias switches
 SEEN = Counter()
@@ -82,6 +84,8 @@ def configs(draw, position):
     if position != 'absolute' and draw(st.booleans()): kw['mem_len'] = draw(st.integers(1, 6))
     if position == 'kerple': kw['kernel'] = draw(st.sampled_from(['log', 'power']))
     if position == 'shaw': kw['k'] = draw(st.integers(1, 4))
+    if position in KNN_LOCAL_POSITIONS and draw(st.integers(0, 4)) == 0:   # kNN layers: every call starts with empty memories
+        kw.update(memorizing_layers=(draw(st.integers(0, n_layers - 1)),), knn_capacity=64, top_k=draw(st.integers(1, 4)))
     return kw, draw(st.integers(0, 2 ** 16))
 
 
@@ -110,7 +114,10 @@ def close(a, b, what):
     assert err <= TOL, f"{what}: max abs error {err:.3g}"
 
 
-def logits(lm, t, **kw): return lm(t, **kw)[0]
+def logits(lm, t, **kw):
+    "The logits of a call that starts every document (kNN memories emptied first)."
+    lm.release_knn_memory()
+    return lm(t, **kw)[0]
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -132,8 +139,8 @@ def test_cached_decoding_equals_full_forward(position, data):
     prompt = t[:, :max(1, n - new)]
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
-        a = lm.generate(prompt, new, temperature=0, use_cache=True)
-        b = lm.generate(prompt, new, temperature=0, use_cache=False)
+        lm.release_knn_memory(); a = lm.generate(prompt, new, temperature=0, use_cache=True)
+        lm.release_knn_memory(); b = lm.generate(prompt, new, temperature=0, use_cache=False)
     assert torch.equal(a, b), "greedy generate: cache vs no cache"
 
 
@@ -180,10 +187,15 @@ def test_batch_independence(position, data):
     n = data.draw(st.integers(1, 12))
     t = tokens(seed, 3, n)
     close(logits(lm, t)[1:2], logits(lm, t[1:2]), "row 1 in a batch of 3 vs alone")
-    if lm.mem_len:   # and the memory it returns: the next segment's logits too
+    if lm.mem_len and not lm.memorizing_layers:   # and the memory it returns: the next segment's logits too
         (_, m3), (_, m1) = lm(t), lm(t[1:2])
         u = tokens(seed + 1, 3, 2)
         close(lm(u, memory=m3)[0][1:2], lm(u[1:2], memory=m1)[0], "after memory: row 1 in a batch of 3 vs alone")
+    if lm.memorizing_layers:   # the kNN memories: a row's second segment reads only its own first one
+        u = tokens(seed + 1, 3, 3)
+        lm.release_knn_memory(); lm(t); b3 = lm(u)[0][1:2]
+        lm.release_knn_memory(); lm(t[1:2]); b1 = lm(u[1:2])[0]
+        close(b3, b1, "after the kNN memory: row 1 in a batch of 3 vs alone")
 
 
 @pytest.mark.parametrize('position', [p for p in POSITIONS if p != 'absolute'])
@@ -195,6 +207,7 @@ def test_memory_equals_one_pass(position, data):
     n1, n2 = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 6))
     kw = {**kw, 'mem_len': n1 + data.draw(st.integers(0, 2))}
     if kw.get('attention_chunk_size'): return   # chunks count from the first token: refused with a memory
+    kw.pop('memorizing_layers', None)           # a kNN layer retrieves the first segment besides attending it
     lm = build(kw, seed)
     t = tokens(seed, 2, n1 + n2)
     _, memory = lm(t[:, :n1])
