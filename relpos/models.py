@@ -617,10 +617,10 @@ def attention_reach(self:DecoderLM) -> Optional[int]:
 
 @patch
 def _drops_position_ids(self:DecoderLM, layer:int) -> bool:
-    "Whether `position_ids` skip layer `layer`: a NoPE layer, or one whose type's own position method takes none."
+    "Whether `position_ids` skip layer `layer`: a NoPE layer, one whose type's own position method takes none, or (position='absolute': the table took them) one without its own."
     own = (self.layer_positions or {}).get(self.layer_type(layer), {})
-    return layer in self.nope_layers or ('position' in own and not getattr(self.layers[layer].self_attn.module,
-                                                                         'accepts_position_ids', True))
+    if 'position' not in own: return layer in self.nope_layers or self.pos_embed is not None
+    return layer in self.nope_layers or not getattr(self.layers[layer].self_attn.module, 'accepts_position_ids', True)
 
 @patch
 def _embed(self:DecoderLM, tokens:torch.Tensor) -> torch.Tensor:
@@ -837,7 +837,7 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
     b, n = tokens.shape
     m = memory[0].shape[1] if memory else 0
     x = self._embed(tokens)
-    if self.pos_embed is not None: x, position_ids = self._absolute_positions(x, m, position_ids)   # the table takes the ids
+    if self.pos_embed is not None: x = self._absolute_positions(x, m, position_ids)[0]   # the table takes the ids (and a layer type's own position)
     x = self.drop(x)
     def row_mask(mask):
         if m and drop is not None and bool(drop.any()):

@@ -98,3 +98,16 @@ def test_knn_layers_refuse_padding():
     want = lm(t)[0]
     lm.release_knn_memory()
     assert torch.equal(lm(t, attention_mask=torch.ones(1, 7, dtype=torch.long))[0], want)
+
+
+def test_absolute_model_passes_position_ids_to_a_layer_types_own_position():
+    "position='absolute' consumed position_ids in its table: a layer type's FIRE then counted the padding (0.002 on the logits)."
+    lm = tiny(position='absolute', layer_types=['full_attention', 'sliding_attention'], sliding_window=2,
+              layer_positions={'sliding_attention': {'position': 'fire'}})
+    with torch.no_grad():
+        for p in lm.parameters(): p.add_(0.2 * torch.randn_like(p))
+    t = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(0))
+    padded = torch.cat((torch.zeros(1, 3, dtype=torch.long), t), 1)
+    keep = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
+    got = lm(padded, attention_mask=keep, position_ids=(keep.cumsum(-1) - 1).clamp(min=0))[0][:, 3:]
+    assert (got - lm(t)[0]).abs().max().item() <= 1e-10

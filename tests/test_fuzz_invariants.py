@@ -154,11 +154,14 @@ def test_left_padding_equals_unpadded(position, data):
     # (tests/test_hf_families.py checks left-padded Llama 4 against transformers): not padding-invariant, by choice
     if lm.query_temperature is not None: return
     n, p = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 4))
-    t = tokens(seed, 1, n)
-    padded = torch.cat((tokens(seed + 1, 1, p), t), 1)
-    mask = torch.cat((torch.zeros(1, p, dtype=torch.long), torch.ones(1, n, dtype=torch.long)), 1)
+    # a batch of two: row 0 left-padded by p, row 1 without padding
+    t, full_row = tokens(seed, 1, n), tokens(seed + 3, 1, p + n)
+    padded = torch.cat((torch.cat((tokens(seed + 1, 1, p), t), 1), full_row))
+    mask = torch.ones(2, p + n, dtype=torch.long); mask[0, :p] = 0
     ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    ref = logits(lm, t)
+    def check(out, what):
+        close(out[:1, p:], logits(lm, t), what + ", padded row")
+        close(out[1:], logits(lm, full_row), what + ", unpadded row")
     try: out = logits(lm, padded, attention_mask=mask, position_ids=ids)
     except (TypeError, ValueError) as e:
         assert 'position_ids' in str(e), e
@@ -166,16 +169,17 @@ def test_left_padding_equals_unpadded(position, data):
         except (TypeError, ValueError) as e:
             assert 'attention_mask' in str(e), e
             out = None
-    if out is not None: close(out[:, p:], ref, "left padded (attention_mask, position_ids) vs unpadded")
+    if out is not None: check(out, "left padding (attention_mask, position_ids) vs none")
     if not lm.supports_cache(): return
-    cache = lm.new_cache(1, p + n + 2)
+    cache = lm.new_cache(2, p + n + 2)
     try: pre = lm(padded, cache=cache, attention_mask=mask)[0]
     except (TypeError, ValueError) as e:
         assert 'attention_mask' in str(e), e
         return
-    nxt = tokens(seed + 2, 1, 2)
-    steps = [lm(nxt[:, j:j + 1], cache=cache)[0] for j in range(2)]
-    close(torch.cat([pre[:, p:]] + steps, 1), logits(lm, torch.cat((t, nxt), 1)), "cache: left padded prefill then steps vs unpadded")
+    nxt = tokens(seed + 2, 2, 2)
+    got = torch.cat([pre] + [lm(nxt[:, j:j + 1], cache=cache)[0] for j in range(2)], 1)
+    close(got[:1, p:], logits(lm, torch.cat((t, nxt[:1]), 1)), "cache: left padded prefill then steps vs unpadded")
+    close(got[1:], logits(lm, torch.cat((full_row, nxt[1:]), 1)), "cache: the unpadded row beside a padded one")
 
 
 @pytest.mark.parametrize('position', POSITIONS)
@@ -245,6 +249,10 @@ def test_modes_keep_logits(position, data):
     with torch.inference_mode(): close(logits(lm, t), ref, "inference_mode")
     lm.train()
     close(logits(lm, t), ref, "train mode, dropout 0")
+    # dropouts in eval mode: nothing dropped
+    drop = DecoderLM(**{**kw, 'dropout': 0.3, 'embedding_dropout': 0.2}).double()
+    drop.load_state_dict(lm.state_dict())
+    close(logits(drop.eval(), t), ref, "eval mode with dropout 0.3")
 
 
 transformers = pytest.importorskip("transformers")
