@@ -2,13 +2,14 @@
 
 hypothesis draws a small valid configuration for each position method (norms, feed-forward blocks, biases, grouped
 key/value heads, qk-norm, layer types with sliding windows and chunks, per-type positions, NoPE layers, softcaps,
-query temperature, memory length, tied embeddings, ...), perturbs every parameter (zeros and ones hide bugs), then checks:
+query temperature, memory length, kNN layers, tied embeddings, ...), perturbs every parameter (zeros and ones hide bugs), then checks:
 1. cached decoding (a prefill, then one token at a time) equals the full forward, and greedy `generate` is the same
    with and without the cache;
 2. left padding with `attention_mask` (and the position ids that skip the padding) equals the unpadded row, in the
-   full forward and in the cached prefill; a model that cannot honour it must refuse, never differ;
+   full forward and in the cached prefill; a model that cannot honour it must refuse, never differ (not checked with
+   `query_temperature`, which counts the padding as transformers' Llama 4 does);
 3. a row's logits do not depend on the other rows of the batch;
-4. `save_pretrained` / `from_pretrained`, `copy.deepcopy` and `pickle` keep the logits;
+4. `save_pretrained` / `from_pretrained`, `copy.deepcopy`, `pickle` and `DecoderLM(**to_config())` keep the logits;
 5. `to_transformers()`, where it converts, gives the same logits (transformers' float32 steps in float64);
 6. eval, train mode (every dropout 0), `no_grad` and `inference_mode` give the same logits;
 7. a Transformer-XL memory holding the whole first segment gives the one-pass logits of the second.
