@@ -719,7 +719,13 @@ def decoder_to_transformers(lm:DecoderLM,           # a model whose layout a cla
     if lm.memorizing_layers:
         raise ValueError(f"to_transformers: memorizing_layers={lm.memorizing_layers} has no counterpart in {targets}")
     own = {cls: TO_TRANSFORMERS_POSITIONS.get(cls, 'rotary') for cls in TO_TRANSFORMERS}   # each class's position method
-    attn = lm.layers[next((i for i in range(len(lm.layers)) if i not in lm.nope_layers), 0)].self_attn.module   # not a NoPE layer
+    # a layer of the model's own position: not a NoPE layer, nor one whose type has another (layer_positions)
+    other = lambda i: (lm.layer_positions or {}).get(lm.layer_type(i), {}).get('position', lm.position) != lm.position
+    mine = [i for i in range(len(lm.layers)) if i not in lm.nope_layers and not other(i)]
+    if not mine and any(other(i) for i in range(len(lm.layers))):
+        raise ValueError(f"to_transformers: layer_positions={lm.layer_positions} gives every layer another position than "
+                         f"position={name!r}; no transformers class mixes them")
+    attn = lm.layers[mine[0] if mine else 0].self_attn.module
     if name not in own.values() or (name == 'rotary') != isinstance(attn, RotaryMultiHeadAttention):
         raise ValueError(f"to_transformers: position={name!r} has no transformers counterpart: the decoder classes relpos can "
                          f"build ({targets}) use {', '.join(map(repr, sorted(set(own.values()))))} positions")

@@ -398,10 +398,6 @@ class DecoderLM(nn.Module):
                              f"d_model // heads features; grouped-query heads and head_dim are for {GQA_POSITIONS}")
         if qkv_bias is not None and not isinstance(qkv_bias, bool):
             raise TypeError(f"qkv_bias must be None (bias's value) or a bool, got {type(qkv_bias).__name__} {qkv_bias!r}")
-        if not (bias if qkv_bias is None else qkv_bias) and position not in BIAS_POSITIONS:
-            arg = 'bias=False' if qkv_bias is None else 'qkv_bias=False'
-            raise ValueError(f"{arg}: position={position!r}'s attention keeps its own query/key/value biases; {arg} is "
-                             f"for {BIAS_POSITIONS}")
         if qk_norm not in QK_NORMS: raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
         if sliding_window is not None: _check_int(sliding_window, 'sliding_window', 1)
         if isinstance(norm_offset, bool) or not isinstance(norm_offset, (int, float)) or not math.isfinite(norm_offset):
@@ -414,6 +410,11 @@ class DecoderLM(nn.Module):
         per_type = list((layer_positions or {}).values()) if isinstance(layer_positions, dict) else []
         tempered = self.query_temperature or next((o['query_temperature'] for o in per_type if o.get('query_temperature')), None)
         used = {position} | {o.get('position', position) for o in per_type if isinstance(o, dict)}
+        biased = [p for p in used if p not in BIAS_POSITIONS]   # a layer type's own position too
+        if not (bias if qkv_bias is None else qkv_bias) and biased:
+            arg = 'bias=False' if qkv_bias is None else 'qkv_bias=False'
+            raise ValueError(f"{arg}: position={biased[0]!r}'s attention keeps its own query/key/value biases; {arg} is "
+                             f"for {BIAS_POSITIONS}")
         for arg, value in (('attn_softcap', self.attn_softcap), ('score_scale', self.score_scale), ('query_temperature', tempered)):
             if value is not None and not used <= set(SOFTCAP_POSITIONS):
                 raise ValueError(f"{arg}={value}: position={sorted(used - set(SOFTCAP_POSITIONS))[0]!r}'s attention paths do not "
@@ -498,14 +499,14 @@ class DecoderLM(nn.Module):
         if self.head_dim is not None: kw['head_dim'] = self.head_dim
         qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
         if not qkv_bias: kw['bias'] = False
-        qk_norm, temperature = self.qk_norm, self.query_temperature   # a layer type may have its own (Llama 4)
+        # the layer type's own arguments (Gemma 3: another rope base in its sliding layers) replace the model's; its
+        # qk_norm and query_temperature in NoPE layers too (Llama 4: a temperature in the NoPE layers' type only)
+        own = dict((self.layer_positions or {}).get(self.layer_type(layer), {}))
+        qk_norm, temperature = own.pop('qk_norm', self.qk_norm), own.pop('query_temperature', self.query_temperature)
         if layer in self.nope_layers:
             attn = LabmlPosition(MultiHeadAttention)(self.d_model, self.heads, self.attention_dropout, self.max_len, self.mem_len, **kw)
         else:
-            # the layer type's own position arguments (Gemma 3: another rope base in its sliding layers) replace the model's
-            own = dict((self.layer_positions or {}).get(self.layer_type(layer), {}))
             position = own.pop('position', self.position)
-            qk_norm, temperature = own.pop('qk_norm', qk_norm), own.pop('query_temperature', temperature)
             build = POSITION_BUILDERS[position] if isinstance(position, str) else position
             attn = build(self.d_model, self.heads, self.attention_dropout, self.max_len, self.mem_len,
                          **{**(self.position_kwargs if position == self.position else {}), **own, **kw})
@@ -517,8 +518,8 @@ class DecoderLM(nn.Module):
             if qk_norm is not None: normalise_heads(module, qk_norm, self.norm_kind, self.norm_eps, self.norm_offset)
             if self.score_scale is not None: module.scale = self.score_scale
             module.softcap, module.query_temperature = self.attn_softcap, temperature
-        elif not self.bias or qk_norm is not None:
-            arg = f"qk_norm={qk_norm!r}" if qk_norm is not None else "bias=False"
+        elif not self.bias or self.output_bias is False or qk_norm is not None:
+            arg = (f"qk_norm={qk_norm!r}" if qk_norm is not None else "bias=False" if not self.bias else "output_bias=False")
             raise ValueError(f"{arg}: layer {layer}'s attention ({type(module).__name__}) is not a relpos.mha.MultiHeadAttention, "
                              f"whose projections {arg} changes; use a position in {BIAS_POSITIONS}")
         return attn
@@ -583,6 +584,9 @@ def _check_layer_pattern(self:DecoderLM, n_layers, layer_types, sliding_window, 
             p = own.get('position', position)
             if not (callable(p) or p in POSITION_BUILDERS):
                 raise ValueError(f"layer_positions[{kind!r}]['position'] must be one of POSITIONS or a builder, got {p!r}")
+            if p == 'absolute' and position != 'absolute':
+                raise ValueError(f"layer_positions[{kind!r}]['position']='absolute': the absolute table is added to the "
+                                 f"embeddings, not in a layer; for layers without positions use 'none' (or nope_layers)")
             if p != position and (self.kv_heads is not None or self.head_dim is not None) and p not in GQA_POSITIONS:
                 raise ValueError(f"layer_positions[{kind!r}]: position={p!r} takes no kv_heads / head_dim; use one of {GQA_POSITIONS}")
         layer_positions = {k: dict(v) for k, v in layer_positions.items()}
@@ -613,10 +617,10 @@ def attention_reach(self:DecoderLM) -> Optional[int]:
 
 @patch
 def _drops_position_ids(self:DecoderLM, layer:int) -> bool:
-    "Whether `position_ids` skip layer `layer`: a NoPE layer, or one whose type's own position method takes none."
+    "Whether `position_ids` skip layer `layer`: a NoPE layer, one whose type's own position method takes none, or (position='absolute': the table took them) one without its own."
     own = (self.layer_positions or {}).get(self.layer_type(layer), {})
-    return layer in self.nope_layers or ('position' in own and not getattr(self.layers[layer].self_attn.module,
-                                                                         'accepts_position_ids', True))
+    if 'position' not in own: return layer in self.nope_layers or self.pos_embed is not None
+    return layer in self.nope_layers or not getattr(self.layers[layer].self_attn.module, 'accepts_position_ids', True)
 
 @patch
 def _embed(self:DecoderLM, tokens:torch.Tensor) -> torch.Tensor:
@@ -648,6 +652,14 @@ def make_memorizing(self:DecoderLM, layer:int,  # index of the layer
         raise ValueError(f"memorizing_layers: layer {layer}'s attention (position={name!r}, {type(attn.module).__name__}) "
                          f"cannot be the local side of a kNN layer, which needs a relpos.mha.MultiHeadAttention taking keys "
                          f"longer than queries (positions that continue across calls) and its paths run on the projections alone; use one of {KNN_LOCAL_POSITIONS}")
+    if local.kv_heads != local.heads or local.d_k * local.heads != self.d_model:
+        # the kNN memory stores one key and value per query head of d_model // heads features
+        raise ValueError(f"memorizing_layers: layer {layer} has kv_heads={local.kv_heads}, head_dim={local.d_k}, but a kNN "
+                         f"layer needs one key/value head per query head of d_model // heads = {self.d_model // self.heads} "
+                         f"features; use kv_heads=None, head_dim=None")
+    if local.query_temperature is not None:   # applied by the layer's own forward, which the kNN layer does not call
+        raise ValueError(f"memorizing_layers: layer {layer} has query_temperature={local.query_temperature}, which a kNN "
+                         f"layer does not apply; leave its layer type without one (layer_positions) or query_temperature=None")
     knn = MemorizingAttention(self.heads, self.d_model, self.attention_dropout, knn_capacity=self.knn_capacity,
                               top_k=self.top_k, local=local, knn_memory=self.knn_memory,
                               knn_memory_kwargs=self.knn_memory_kwargs)
@@ -809,6 +821,10 @@ def _check_positions(self:DecoderLM, tokens, m:int, position_ids, attention_mask
                              f"{tuple(attention_mask.shape)}")
         if attention_mask.device != dev:
             raise ValueError(f"attention_mask is on {attention_mask.device} but the model's parameters are on {dev}")
+        if self.memorizing_layers and not bool(attention_mask.all()):
+            # a kNN layer stores every key of the segment: padding would be retrieved by the calls after this one
+            raise ValueError(f"attention_mask: the kNN layers (memorizing_layers={self.memorizing_layers}) would store the "
+                             f"padding's keys and values in their memories; pass rows without padding")
     return position_ids, attention_mask
 
 # %% ../nbs/09_models.ipynb #7bbd2718
@@ -821,7 +837,7 @@ def _run(self:DecoderLM, tokens, memory, keep:Optional[int],
     b, n = tokens.shape
     m = memory[0].shape[1] if memory else 0
     x = self._embed(tokens)
-    if self.pos_embed is not None: x, position_ids = self._absolute_positions(x, m, position_ids)   # the table takes the ids
+    if self.pos_embed is not None: x = self._absolute_positions(x, m, position_ids)[0]   # the table takes the ids (and a layer type's own position)
     x = self.drop(x)
     def row_mask(mask):
         if m and drop is not None and bool(drop.any()):
