@@ -8,7 +8,7 @@ __all__ = ['KVCache', 'CacheStep', 'supports_cache', 'full_logits']
 # %% ../nbs/09a_cache.ipynb #e0740206
 import copy, hashlib, math, weakref
 from functools import partial
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -215,14 +215,17 @@ def key_positions(self:CacheStep) -> torch.Tensor:
     return torch.cat([c.positions[:, :len(c)], self.q_pos], 1)
 
 @patch
-def key_index(self:CacheStep) -> Optional[torch.Tensor]:
-    "Decode in a layer whose window is narrower than the ring (Gemma's sliding layers): the slots of the window's tokens, oldest first, so that the step reads those alone; None: every filled slot."
+def key_index(self:CacheStep) -> Union[slice, torch.Tensor, None]:
+    "Decode in a layer whose window is narrower than the ring (Gemma's sliding layers): the slots of the window's tokens, oldest first, so that the step reads those alone (a slice where they do not wrap the ring); None: every filled slot."
     w = self._narrower()[0]
     if self.mode != 'decode' or w is None: return None
     if ('slots', w) not in self.memo:
         c = self.cache
         k = min(c.seen + 1, w)                    # the new token's slot is written already
-        self.memo['slots', w] = torch.arange(c.seen + 1 - k, c.seen + 1, device=c.device) % c.max_cache_len
+        first = (c.seen + 1 - k) % c.max_cache_len
+        # a slice reads the window as a view of the ring (no copy of its keys per layer and step); wrapped, an index
+        self.memo['slots', w] = slice(first, first + k) if first + k <= c.max_cache_len else \
+            torch.arange(c.seen + 1 - k, c.seen + 1, device=c.device) % c.max_cache_len
     return self.memo['slots', w]
 
 @patch
@@ -264,7 +267,7 @@ def mask(self:CacheStep) -> Optional[torch.Tensor]:
             m = m[:, None, None, :]
         idx = self.key_index()
         if idx is not None:                       # a window: its slots alone are read, all of them in it
-            m, w = (None if m is None else m.index_select(-1, idx)), None
+            m, w = (None if m is None else m[..., idx]), None
         if w is not None or ch is not None:       # this layer's chunk, by stream time
             near = self._near(torch.tensor([[c.seen]], device=c.device), c.times[None, :self.length], w, ch)
             near = near.reshape(-1, 1, 1, self.length)                        # [b|1, 1, 1, keys]
@@ -373,6 +376,14 @@ def cache_attend(self:MultiHeadAttention, q, k, v, step:CacheStep, layer:int) ->
 def _sdpa(module:MultiHeadAttention, q, k, v, mask):
     "SDPA at the module's scale and dropout, grouped-query heads included; the scores soft-capped where the module says so."
     attend = F.scaled_dot_product_attention if module.softcap is None else partial(softcapped_attention, softcap=module.softcap)
+    (b, h, n, d), g = q.shape, q.shape[1] // k.shape[1]
+    if g > 1 and n == 1 and (mask is None or mask.shape[-2] == 1):
+        # decode with grouped-query heads: the g query heads of a key head are g queries of it (heads h // g share a
+        # key), so each key head's keys are read once, not once per query head as `enable_gqa` does
+        if mask is not None and mask.shape[1] != 1: mask = mask.unflatten(1, (-1, g)).flatten(2, 3)   # [b, kv_heads, g, keys]
+        out = attend(q.reshape(b, -1, g, d), k, v, attn_mask=mask, scale=module.scale,
+                     dropout_p=module.dropout.p if module.training else 0.0)
+        return out.reshape(b, h, 1, -1)
     return attend(q, k, v, attn_mask=mask, scale=module.scale, dropout_p=module.dropout.p if module.training else 0.0,
                   enable_gqa=k.shape[1] != q.shape[1])
 
@@ -417,8 +428,8 @@ def _attended(K, V, k, v, step:CacheStep):
         # the new tokens go into the slots after the filled ones (decode: into the oldest one's, which is out of the
         # window): write them, and the keys are a view of the buffer -- no copy of the cache per step
         _write(K, V, k, v, step)
-        idx = step.key_index()                    # a window narrower than the ring: its slots alone (a copy of w keys)
-        if idx is not None: return K.index_select(2, idx), V.index_select(2, idx), True
+        idx = step.key_index()                    # a window narrower than the ring: its slots alone (a view, or a copy where they wrap)
+        if idx is not None: return K[:, :, idx], V[:, :, idx], True
         return K[:, :, :step.length], V[:, :, :step.length], True
     # a chunk that wraps the ring would overwrite keys its own first queries still see: the cached keys, then the new ones
     f = len(c)

@@ -319,3 +319,31 @@ def test_decoder_variants_decode_with_the_cache(position, kw):
         cache = lm.new_cache(2, 8)
         got = torch.cat([lm(seq[:, :5], cache=cache)[0]] + [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(5, 12)], 1)
         assert err(got, full_logits(lm, seq, max_cache_len=8)) <= TOL
+
+
+@pytest.mark.parametrize("position", ['rotary', 'alibi', 't5'])
+@pytest.mark.parametrize("ring", [32, 5])   # 32: the sliding layer's slots never wrap the ring; 5: they do
+def test_sliding_layer_with_grouped_heads_reads_its_window_in_place(position, ring, monkeypatch):
+    """Decode with a window narrower than the ring, grouped-query heads and left padding equals the full model; where the
+    window's slots do not wrap the ring, every decode step's SDPA reads the keys in place (views of the cache, no copy)
+    and each key head once (its group of query heads as queries, no `enable_gqa` repetition)."""
+    import torch.nn.functional as F
+    lm = small(position, heads=4, kv_heads=2, sliding_window=3, layer_types=['sliding_attention', 'full_attention'])
+    x, keep = tokens(2, 14, 4), torch.ones(2, 14, dtype=torch.long)
+    keep[1, :2] = 0
+    calls, sdpa = [], F.scaled_dot_product_attention
+    def spy(q, k, v, *a, **kw):
+        calls.append((q.shape[1], k.shape[1], k.untyped_storage().data_ptr(), kw.get('enable_gqa', False)))
+        return sdpa(q, k, v, *a, **kw)
+    with torch.no_grad():
+        want = full_logits(lm, x, keep, max_cache_len=ring)
+        cache = lm.new_cache(2, ring)
+        got = [lm(x[:, :5], cache=cache, attention_mask=keep[:, :5])[0]]
+        monkeypatch.setattr(F, 'scaled_dot_product_attention', spy)
+        got += [lm(x[:, t:t + 1], cache=cache)[0] for t in range(5, 14)]
+    assert err(torch.cat(got, 1)[keep.bool()], want[keep.bool()]) <= TOL
+    assert len(calls) == 2 * 9
+    if ring == 32:
+        buffers = {t.untyped_storage().data_ptr() for t in cache.keys}
+        assert all(ptr in buffers for *_, ptr, _ in calls)
+    assert all(h == kv == 2 and not gqa for h, kv, _, gqa in calls)
