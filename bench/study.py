@@ -802,8 +802,8 @@ class StudyResults:
     def check_claim(self, claim:dict, protocol='sliding', phase='main') -> tuple:
         """(verdict, [(what, outcome, text)]) for one of `PAPER_CLAIMS`. A check 'agrees' (it comes out as the paper says),
         is 'not shown' (its interval holds 0), 'disagrees' (the opposite) or 'not known' (fewer than 2 seeds, or not
-        stored). The claim: 'agrees' when every check does; 'partly' when checks with 2+ seeds agree and others not;
-        'disagrees' ('not shown') when every check has 2+ seeds and none agrees, one (none) the opposite; else 'not known'."""
+        stored). The claim: 'agrees' when every check does; 'partly' when some do; 'disagrees' when none does and one
+        is the opposite; 'not shown' when every check is known and ties; else 'not known'."""
         out = []
         for what, terms, accept in claim['checks']:
             missing = sorted({l for l, _, _ in terms if not self.runs(l, phase)})
@@ -819,11 +819,10 @@ class StudyResults:
             v = 'agrees' if o in accept else o if o == 'not known' else 'not shown' if o == 'tie' else 'disagrees'
             out.append((what, v, text + {'lower': ', lower', 'higher': ', higher', 'tie': ', interval holds 0'}.get(o, '')))
         got = [o for _, o, _ in out]
-        known = [o for o in got if o != 'not known']
         if got and all(o == 'agrees' for o in got): verdict = 'agrees'
-        elif 'agrees' in known and len(set(known)) > 1: verdict = 'partly'
-        elif known and len(known) == len(got) and 'agrees' not in known:
-            verdict = 'disagrees' if 'disagrees' in known else 'not shown'
+        elif 'agrees' in got: verdict = 'partly'             # some checks as the paper says, others not or not known
+        elif 'disagrees' in got: verdict = 'disagrees'       # none as the paper says, one the opposite
+        elif got and 'not known' not in got: verdict = 'not shown'
         else: verdict = 'not known'
         return verdict, out
 
@@ -909,8 +908,8 @@ VERDICT_RULE = ("*Rule:* at {length} ({multiple}× the training length), {protoc
 CLAIM_RULE = ("*Rule:* a check sums bits per byte (protocol b) seed by seed over the seeds its labels share, e.g. `fox` "
               "at 8× minus `rotary` at 8×. Its 95% t-interval below 0 is *lower*, above 0 *higher*, inside "
               f"±{EQUIVALENCE_MARGIN:g} a *tie*; otherwise, or with fewer than 2 seeds: *not known*. A tie agrees with 'no rise' and leaves 'lower than' *not shown*. A claim *agrees* when every "
-              "check does, *partly* when some do, *disagrees* when every check has 2 seeds or more and none does (*not "
-              "shown* when none is the opposite either); otherwise *not known*.")
+              "check does, *partly* when some do, *disagrees* when none does and one is the opposite, *not shown* when "
+              "every check ties; otherwise *not known*.")
 
 def _rise(label, mult):
     return (f"`{label}` {mult}× − 1×", [(label, mult, 1), (label, 1, -1)], {'lower', 'tie'})

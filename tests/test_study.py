@@ -463,7 +463,9 @@ def test_each_claim_verdict_follows_the_rule():
     assert R.check_claim(claim(S._below('alibi', 'alibi', 8)))[0] == 'not shown'                       # a tie
     assert R.check_claim(claim(S._below('alibi', 'rotary', 8), S._rise('rotary', 8)))[0] == 'partly'
     verdict, checks = R.check_claim(claim(S._below('kerple', 'rotary', 8), S._below('alibi', 't5', 8)))
-    assert verdict == 'not known' and checks[0][1] == 'not known' and '`kerple` has 1 seed' in checks[0][2]
+    assert verdict == 'partly' and checks[0][1] == 'not known' and '`kerple` has 1 seed' in checks[0][2]
+    assert R.check_claim(claim(S._below('kerple', 'rotary', 8)))[0] == 'not known'                     # one seed only
+    assert R.check_claim(claim(S._below('kerple', 'rotary', 8), S._below('rotary', 'alibi', 8)))[0] == 'disagrees'
     verdict, checks = R.check_claim(claim(S._below('fox', 'rotary', 8)))
     assert verdict == 'not known' and checks[0][2] == 'not stored: `fox`'
     t = R.claims_table([claim(S._rise('alibi', 8))])
