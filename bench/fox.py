@@ -1,5 +1,4 @@
 "Benchmark for `relpos.fox` (nbs/08d_fox.ipynb): a causal training step of the FoX layer against the same projections around SDPA with `is_causal=True`, and beside the rotary layer in the same run."
-import torch
 from relpos.rotary import RotaryMultiHeadAttention
 from relpos.fox import ForgettingMultiHeadAttention
 from relpos.bench import bench_table
@@ -25,10 +24,6 @@ def main(sizes=(512, 2048), reps=5,
          clock='wall',   # 'cpu': CPU time of the process, which other jobs on a shared machine distort least
          threads=None):  # torch threads for the run (None: torch's default)
     "The table; with `clock='cpu', threads=1` every case is timed in CPU time on one thread, each time also divided by rotary's."
-    before = torch.get_num_threads()
-    if threads is not None: torch.set_num_threads(threads)
-    try:
-        return bench_table({'sdpa': 'bench.fox:make_sdpa', 'rotary': 'bench.fox:make_rotary', 'fox': 'bench.fox:make_fox'},
-                           [dict(n=n, causal=True) for n in sizes], baseline='sdpa', reps=reps, clock=clock, also='rotary',
-                           title='Causal: attention layer, batch 4, 8 heads, d_model 512, dropout 0 (baseline: is_causal=True)')
-    finally: torch.set_num_threads(before)
+    return bench_table({'sdpa': 'bench.fox:make_sdpa', 'rotary': 'bench.fox:make_rotary', 'fox': 'bench.fox:make_fox'},
+                       [dict(n=n, causal=True) for n in sizes], baseline='sdpa', reps=reps, clock=clock, also='rotary',
+                       threads=threads, title='Causal: attention layer, batch 4, 8 heads, d_model 512, dropout 0 (baseline: is_causal=True)')

@@ -1,5 +1,4 @@
 "Benchmark for `relpos.kerple` (nbs/08c_kerple.ipynb): a causal training step of the layer, both kernels, against the same projections around SDPA with `is_causal=True`, and beside the rotary layer in the same run."
-import torch
 from relpos.rotary import RotaryMultiHeadAttention
 from relpos.kerple import KerpleMultiHeadAttention
 from relpos.bench import bench_table
@@ -30,11 +29,7 @@ def main(sizes=(512, 2048), reps=5,
          clock='wall',   # 'cpu': CPU time of the process, which other jobs on a shared machine distort least
          threads=None):  # torch threads for the run (None: torch's default)
     "The table; with `clock='cpu', threads=1` every case is timed in CPU time on one thread, each time also divided by rotary's."
-    before = torch.get_num_threads()
-    if threads is not None: torch.set_num_threads(threads)
-    try:
-        return bench_table({'sdpa': 'bench.kerple:make_sdpa', 'rotary': 'bench.kerple:make_rotary',
-                            'kerple log': 'bench.kerple:make_kerple_log', 'kerple power': 'bench.kerple:make_kerple_power'},
-                           [dict(n=n, causal=True) for n in sizes], baseline='sdpa', reps=reps, clock=clock, also='rotary',
-                           title='Causal: attention layer, batch 4, 8 heads, d_model 512, dropout 0 (baseline: is_causal=True)')
-    finally: torch.set_num_threads(before)
+    return bench_table({'sdpa': 'bench.kerple:make_sdpa', 'rotary': 'bench.kerple:make_rotary',
+                        'kerple log': 'bench.kerple:make_kerple_log', 'kerple power': 'bench.kerple:make_kerple_power'},
+                       [dict(n=n, causal=True) for n in sizes], baseline='sdpa', reps=reps, clock=clock, also='rotary',
+                       threads=threads, title='Causal: attention layer, batch 4, 8 heads, d_model 512, dropout 0 (baseline: is_causal=True)')

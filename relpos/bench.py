@@ -139,8 +139,14 @@ def bench_table(cases:dict,         # name -> 'module:factory'
                 clock:str='wall',   # 'wall': elapsed time; 'cpu': CPU time of this process (all its threads), which
                                     # time slices given to other jobs on a shared machine do not inflate (CPU only)
                 also:str=None,      # a second case the times are divided by too (a last column), e.g. 'rotary'
+                threads:int=None,   # torch threads for the timing (None: as they are), restored after
                ) -> str:            # a markdown table
     "Time (and peak memory) of every case at every config, with ratios to `baseline` (and to `also`) from the same run."
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try: return bench_table(cases, configs, baseline, backward, memory, reps, title, clock, also)
+        finally: torch.set_num_threads(before)
     if baseline not in cases: raise ValueError(f"baseline {baseline!r} is not one of the cases {list(cases)}")
     if also is not None and also not in cases: raise ValueError(f"also={also!r} is not one of the cases {list(cases)}")
     clocks = {'wall': time.perf_counter, 'cpu': time.process_time}
