@@ -252,7 +252,12 @@ def all_runs(seeds:int=3, labels=None, common=None, steps=None) -> list:
     labels = list(spec) if labels is None else list(labels)
     for l in labels:
         if l not in spec: raise ValueError(f"labels: {l!r} is not a label of the study; use one of {list(spec)}")
-    return [dict(common, **spec[l], label=l, seed=s) for s in range(seeds) for l in labels]
+    return [dict(common, **at_depth(spec[l], common['n_layers']), label=l, seed=s) for s in range(seeds) for l in labels]
+
+def at_depth(setting:dict, n_layers:int) -> dict:
+    "A study setting for a model of `n_layers`: its NoPE layers counted from the top (the hybrid's NoPE layer is the last)."
+    if not setting.get('nope_layers'): return setting
+    return dict(setting, nope_layers=tuple(n_layers - S.COMMON['n_layers'] + l for l in setting['nope_layers']))
 
 def run_file(label:str, seed:int, out=None) -> Path: return Path(out or RESULTS) / f"{label}__seed{seed}.json"
 

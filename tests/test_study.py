@@ -504,3 +504,13 @@ def test_a_wide_interval_is_not_a_tie():
     w = R.which_to_use()
     assert '| texts longer than you trained on, read in one pass, each byte with the longest context (sliding window) | `alibi` |' in w
     assert '| not known yet (fewer than 2 seeds, or seeds that disagree too much) | `fourier` (2 seeds) | `fourier` 2.350 at 1024' in w
+
+def test_every_label_builds_at_the_retrieval_depth():
+    "The retrieval model has 2 layers, the study's 3: each label's setting builds there, the NoPE hybrid with its last layer NoPE."
+    from bench import retrieval as RT
+    runs = RT.all_runs(seeds=1)
+    assert {r['label'] for r in runs} == set(S.settings())
+    for kw in runs:
+        m = S.build_model(kw['method'], kw['seq'], kw['d_model'], kw['heads'], kw['n_layers'], kw.get('mem_len', 0),
+                          kw.get('nope_layers', ()), kw.get('position_kwargs'))
+        if kw['label'] == 'rotary+nope': assert m.nope_layers == {kw['n_layers'] - 1} or tuple(m.nope_layers) == (kw['n_layers'] - 1,)
