@@ -149,7 +149,11 @@ def __getstate__(self:KVCache) -> dict:
     return state
 
 @patch
-def __setstate__(self:KVCache, state:dict): self.__dict__.update(state)
+def __setstate__(self:KVCache, state:dict):
+    "Unpickle. A cache pickled before relpos kept per-layer state has none: its layers get an empty one, marked `unanchored` (an xPos layer refuses such keys: they were stored unscaled)."
+    if 'layer_state' not in state:
+        state = dict(state, layer_state=[{'unanchored': True} for _ in state['keys']], resets=state.get('resets', 0))
+    self.__dict__.update(state)
 
 @patch
 def __deepcopy__(self:KVCache, memo:dict) -> KVCache:
@@ -589,6 +593,10 @@ def cache_anchor_reach(self:XPosMultiHeadAttention) -> int:
 def _xpos_anchor(module, cache:KVCache, layer:int, step:CacheStep) -> tuple:
     "The anchor `[b]` the layer's stored keys are scaled against (None: none yet), and this step's: the same, or each row's newest position once the step's positions could leave its reach."
     held, H = cache.layer_state[layer], module.cache_anchor_reach()
+    if held.get('unanchored'):
+        if cache.seen: raise ValueError("this KVCache was pickled by a relpos that stored xPos keys unscaled; this one stores them scaled "
+                                        "against an anchor, so they cannot be read: fill a new cache (model.new_cache) from the same tokens")
+        held = {}
     t = cache.seen + step.n - 1                          # stream time of the step's last token
     # a position grows by at most one per token: without a reset, t - held['time'] <= H keeps every new position in a .. a + H
     if held and held['resets'] == cache.resets and t - held['time'] <= H: return held['anchor'], held['anchor']

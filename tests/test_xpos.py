@@ -479,6 +479,38 @@ def test_a_copied_cache_keeps_its_anchors(how):
     assert (torch.cat(got, 1) - full_logits(lm, seq)).abs().max() <= 1e-10
 
 
+def _pickled_before_layer_state(cache):
+    "The cache as a relpos before per-layer state would have unpickled it: no `layer_state`, no `resets`."
+    import pickle
+    state = pickle.loads(pickle.dumps(cache)).__dict__
+    state = {k: v for k, v in state.items() if k not in ('layer_state', 'resets')}
+    old = object.__new__(type(cache)); old.__setstate__(state)
+    return old
+
+
+def test_a_cache_pickled_before_anchors_is_refused_not_misread():
+    "A filled xPos cache from before the anchors (keys unscaled) cannot be read as scaled keys: it is refused, naming the way out."
+    lm = _lm('xpos', scale_base=4.0)
+    seq = torch.randint(0, 13, (2, 12), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        cache = lm.new_cache(2, 12); lm(seq[:, :8], cache=cache)
+        with pytest.raises(ValueError, match='new_cache'): lm(seq[:, 8:9], cache=_pickled_before_layer_state(cache))
+
+
+@pytest.mark.parametrize('position, filled', [('xpos', 0), ('rotary', 8)])
+def test_an_old_cache_that_holds_nothing_xpos_needs_decodes_on(position, filled):
+    "An old xPos cache still empty, or an old filled cache of a model without xPos: filled on and decoded, the full model's logits."
+    from relpos.cache import full_logits
+    lm = _lm(position, **(dict(scale_base=4.0) if position == 'xpos' else {}))
+    seq = torch.randint(0, 13, (2, 30), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        cache = lm.new_cache(2, 30)
+        got = [lm(seq[:, :filled], cache=cache)[0]] if filled else []
+        cache = _pickled_before_layer_state(cache)
+        got += [lm(seq[:, filled:12], cache=cache)[0]] + [lm(seq[:, t:t + 1], cache=cache)[0] for t in range(12, 30)]
+    assert (torch.cat(got, 1) - full_logits(lm, seq)).abs().max() <= 1e-10
+
+
 def test_a_reset_row_after_the_anchor_moved():
     "Row 1's document ends at token 30, its anchor far from position 0: from then on it equals the full model on its new document alone."
     from relpos.cache import full_logits
