@@ -331,6 +331,63 @@ class RetrievalResults:
                 for l in self.labels]
         return '\n'.join(['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)] + ['| ' + ' | '.join(r) + ' |' for r in rows])
 
+    # -- verdicts by a stated rule, on paired seed differences (as the study's bits per byte: `bench.study.VERDICT_RULE`) --
+    def seed_accuracy(self, label, task, length) -> dict:
+        "`{seed: accuracy}` at `length`, every depth together; a refused length is left out."
+        out = {}
+        for r in self.runs(label):
+            cell = r['evals'][label][task].get(str(length))
+            if cell is None or isinstance(cell, str): continue
+            c, t = map(sum, zip(*cell.values())) if cell else (0, 0)
+            if t: out[r['seed']] = c / t
+        return out
+
+    def judge(self, task, length) -> dict:
+        """`{label: (verdict, mean difference to the best, half-width of its 95% interval, pairs)}` at `length` by
+        `RETRIEVAL_RULE`: 'best' (highest mean accuracy of the labels with 2 or more seeds), 'worse' (the interval of the
+        paired difference with it lies below 0), 'as good' (inside +-`RETRIEVAL_MARGIN`), 'not known' (neither, or fewer
+        than 2 paired seeds), 'refused'; `{}` when no label with 2 seeds is above chance there (nothing to rank)."""
+        acc = {l: self.seed_accuracy(l, task, length) for l in self.labels if self.runs(l)}
+        out = {l: ('refused', math.nan, math.nan, 0) for l, a in acc.items() if not a}
+        seeded = [l for l, a in acc.items() if len(a) >= 2]
+        mean = lambda l: statistics.mean(acc[l].values())
+        if not seeded or mean(best := max(seeded, key=mean)) <= CHANCE[task] + RETRIEVAL_MARGIN: return {}
+        for l, a in acc.items():
+            if not a: continue
+            if l == best: out[l] = ('best', 0.0, 0.0, len(a)); continue
+            d = [a[k] - acc[best][k] for k in sorted(set(a) & set(acc[best]))]
+            if len(d) < 2 or l not in seeded:
+                out[l] = ('not known', statistics.mean(d) if d else math.nan, math.nan, len(d)); continue
+            m, half = statistics.mean(d), S.t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+            out[l] = ('worse' if m + half < 0 else 'as good' if -RETRIEVAL_MARGIN <= m - half and m + half <= RETRIEVAL_MARGIN
+                      else 'not known', m, half, len(d))
+        return out
+
+    def verdict_table(self, task) -> str:
+        "Markdown: at each length, the best label and the labels as good as it, by `RETRIEVAL_RULE` (printed below)."
+        rows = []
+        for L in self.lengths:
+            v = self.judge(task, L)
+            names = lambda w: ', '.join(f'`{l}`' for l in v if v[l][0] == w) or '–'
+            if not v:
+                two = any(len(self.seed_accuracy(l, task, L)) >= 2 for l in self.labels)
+                rows.append(f"| {L} ({L // self.seq}×) | {f'none above chance + {RETRIEVAL_MARGIN:g}' if two else 'no label with 2 seeds there yet'} | – | – | – |")
+                continue
+            best = next(l for l in v if v[l][0] == 'best')
+            rows.append(f"| {L} ({L // self.seq}×) | `{best}` {statistics.mean(self.seed_accuracy(best, task, L).values()):.2f} | "
+                        f"{names('as good')} | {names('not known')} | {sum(v[l][0] == 'worse' for l in v)} |")
+        return ('| length | best (mean accuracy) | as good | not known | worse (labels) |\n|---|---|---|---|---|\n'
+                + '\n'.join(rows) + '\n\n' + RETRIEVAL_RULE.format(chance=CHANCE[task]))
+
+RETRIEVAL_MARGIN = 0.1   # accuracy: 4 of the 40 prompts a seed reads per task and length
+CHANCE = {'passkey': 0.0, 'mqar': 0.1}   # a 5-digit key guessed: 1e-5; a value digit guessed: 1 in 10
+RETRIEVAL_RULE = ("*Rule:* of the labels with 2 or more seeds, the one of highest mean accuracy (every depth together) is "
+                  "the *best*; when even it is not above chance ({chance:g}) + " + f"{RETRIEVAL_MARGIN:g}" + ", the row ranks "
+                  "nothing. Every other label's difference with the best is taken seed by seed (the same training batches "
+                  "and the same initial weights of the shared parameters): the 95% t-interval of the mean difference lying "
+                  "below 0 gives *worse*, inside ±" + f"{RETRIEVAL_MARGIN:g}" + " *as good*; otherwise, and with fewer "
+                  "than 2 paired seeds, *not known*.")
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--labels', nargs='*', default=None, help="default: every label of the study's main phase")

@@ -357,6 +357,33 @@ def test_the_scorer_counts_a_hand_built_case():
     assert math.isnan(R.accuracy('x', 'passkey', 16)) and R.grid('x', 'passkey').shape == (len(RT.DEPTHS), len(RT.MULTIPLES))
     assert '| `x` | 2 | 10 | 0.38 | 0.38 | refused |' in R.table('passkey')
 
+def _retrieval_runs(acc:dict, task='passkey', total=40) -> list:
+    "Runs whose accuracy at 4 bytes (1x) is `acc[label][seed]` (every prompt at depth 0); None: refused there."
+    return [{'label': l, 'seed': s, 'params': 10, 'setting': {'seq': 4},
+             'evals': {l: {task: {'4': 'refused: too long' if a is None else {'0': [round(a * total), total]}},
+                           'mqar' if task == 'passkey' else 'passkey': {}}}}
+            for l, seeds in acc.items() for s, a in seeds.items()]
+
+def test_retrieval_verdicts_follow_the_stated_rule():
+    R = RT.RetrievalResults(_retrieval_runs({
+        'best': {0: 0.80, 1: 0.70, 2: 0.75},
+        'close': {0: 0.775, 1: 0.70, 2: 0.725},       # -0.017 +- 0.036: inside +-0.1
+        'low': {0: 0.30, 1: 0.20, 2: 0.25},           # -0.5 +- 0: below 0
+        'wide': {0: 0.80, 1: 0.20, 2: 0.75},          # -0.2 +- 0.86: neither
+        'one': {0: 0.95},                             # one seed: never the best, never judged
+        'ref': {0: None, 1: None}}))
+    v = R.judge('passkey', 4)
+    assert {l: x[0] for l, x in v.items()} == {'best': 'best', 'close': 'as good', 'low': 'worse', 'wide': 'not known',
+                                                'one': 'not known', 'ref': 'refused'}
+    assert v['close'][1] == pytest.approx(-0.05 / 3) and v['close'][2] < 0.1 and v['low'][1:] == (pytest.approx(-0.5), pytest.approx(0.0), 3)
+    table = R.verdict_table('passkey')
+    assert '| 4 (1×) | `best` 0.75 | `close` | `one`, `wide` | 1 |' in table and RT.RETRIEVAL_RULE.format(chance=0.0) in table
+    # nothing above chance + margin: nothing ranked (associative recall's chance is 0.1)
+    flat = RT.RetrievalResults(_retrieval_runs({'a': {0: 0.15, 1: 0.2}, 'b': {0: 0.1, 1: 0.1}}, task='mqar'))
+    assert flat.judge('mqar', 4) == {} and 'none above chance + 0.1' in flat.verdict_table('mqar')
+    one = RT.RetrievalResults(_retrieval_runs({'a': {0: 0.9}, 'b': {0: 0.1}}))
+    assert one.judge('passkey', 4) == {} and 'no label with 2 seeds there yet' in one.verdict_table('passkey')
+
 def test_retrieval_cli_stores_each_run_and_a_resumed_run_skips_them(tmp_path):
     cmd = [sys.executable, '-m', 'bench.retrieval', '--smoke', '--workers', '1', '--seeds', '1', '--labels', 'none', 'fire',
            '--out', str(tmp_path)]
