@@ -384,12 +384,27 @@ if __name__ == '__main__': main()
 # Reading the stored runs (the chapter)
 # ---------------------------------------------------------------------------------------------------------------
 from bench.study import t975
-PAIRED_RULE = ("*Rule:* a setting's difference with another is taken seed by seed (the same documents in the same order "
-               "and, for runs that record `init`, the same initial weights of every shared parameter); it is *better* or "
-               "*worse* when the 95% t-interval of the mean difference lies below or above 0, *no difference* when it "
-               "holds 0, and *not known* with fewer than 2 paired seeds.")
+# A difference whose 95% interval lies inside +-MARGIN bits per byte counts as none: 0.01 bits per byte is a change of
+# 0.7% in the per-byte perplexity (2 ** 0.01), too little to pay for a memory (every memory setting's step cost at least
+# 1.28x the CPU time of a step without one in the stored runs)
+MARGIN = 0.01
 LATE = (8192, 16384)   # byte offsets where a memory of 64x the segment (8 KB) is full
 EARLY = (0, 1024)      # the first kilobyte: little to remember yet
+PAIRED_RULE = ("*Rule:* each difference is taken seed by seed, over the seeds both settings share, on bytes {lo}–{hi} KB "
+               "(late − early: minus the same on bytes {elo}–{ehi} KB). "
+               "*Better* or *worse*: its 95% t-interval lies below or above 0; *no difference*: inside "
+               "±{margin:g} bits per byte ({ppl:.1%} in per-byte perplexity, too little to pay a memory for); "
+               "*not known*: otherwise, or fewer than 2 seeds. Runs: {seeds}, {pairing}.")
+
+def judge(d:list):
+    """(verdict, mean, half-width of the 95% t-interval, n) of the per-seed differences `d` by `PAIRED_RULE`: 'better'
+    (interval below 0), 'worse' (above 0), 'no difference' (inside +-`MARGIN`), else, or with fewer than 2, 'not known'."""
+    if len(d) < 2: return 'not known', (statistics.mean(d) if d else math.nan), math.nan, len(d)
+    m = statistics.mean(d)
+    half = t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    v = ('better' if m + half < 0 else 'worse' if m - half > 0 else
+         'no difference' if -MARGIN <= m - half and m + half <= MARGIN else 'not known')
+    return v, m, half, len(d)
 
 class MemStudyResults:
     "The stored runs with the summaries the chapter prints: bits per byte by setting and by offset, costs, verdicts."
@@ -420,26 +435,14 @@ class MemStudyResults:
         return statistics.mean(v), (statistics.stdev(v) if len(v) > 1 else math.nan), len(v)
 
     def diffs(self, label, base='none', lo=0, hi=None) -> list:
-        "Per seed (seeds both settings have): bits per byte of `label` minus `base` over [lo, hi); same seed, same init and data."
+        "Per seed (seeds both settings have): bits per byte of `label` minus `base` over [lo, hi); same seed, same batches."
         b = {r['seed']: self.run_bpb(r, lo, hi) for r in self.runs(base)}
         return [self.run_bpb(r, lo, hi) - b[r['seed']] for r in self.runs(label) if r['seed'] in b]
 
-    def gain(self, label, base='none', lo=0, hi=None):
-        "(mean difference, whether every seed agrees on its sign and it is at least 0.005 bits); negative: `label` is better."
+    def gain(self, label, base='none', lo=0, hi=None) -> float:
+        "Mean over seeds of `diffs` (NaN if no seed is shared); negative: `label` is lower. A mean, not a verdict."
         d = self.diffs(label, base, lo, hi)
-        if not d: return math.nan, False
-        m = statistics.mean(d)
-        return m, len(d) > 1 and abs(m) >= 0.005 and all((x < 0) == (m < 0) for x in d)
-
-    def growth(self, label, base='none'):
-        """How much more `label` gains over `base` late in documents than in their first kilobyte: (Δ at 8-16 KB) −
-        (Δ at 0-1 KB), per seed, as `gain` reports it. What retrieval adds shows here; a difference the model has at
-        every offset (from training it differently) cancels."""
-        late, early = self.diffs(label, base, *LATE), self.diffs(label, base, *EARLY)
-        d = [a - b for a, b in zip(late, early)]
-        if not d: return math.nan, False
-        m = statistics.mean(d)
-        return m, len(d) > 1 and abs(m) >= 0.005 and all((x < 0) == (m < 0) for x in d)
+        return statistics.mean(d) if d else math.nan
 
     def cost(self, label, key='step_cpu', base='none') -> float:
         "Median step time of `label` over the median of `base` (CPU time per step by default: one thread, so the work)."
@@ -464,102 +467,123 @@ class MemStudyResults:
         return out
 
     def table(self) -> str:
-        "Markdown: every setting's bits per byte (all scored bytes, the first KB, 8-16 KB), its gain over no memory late in documents, and its cost."
+        """Markdown: every setting's bits per byte (all scored bytes, the first KB, 8-16 KB), its difference with no memory
+        late in documents and that difference minus the one on the first KB, each with its 95% interval and verdict by
+        `PAIRED_RULE` (printed below the table), and its cost."""
         fmt = lambda m, s: f'{m:.3f}' + ('' if math.isnan(s) else f' ± {s:.3f}')
         gates = any(r.get('gate_local') for r in self.all)   # recorded by runs of the current harness
-        head = ('| setting | seeds | bpb, all | bpb, bytes 0–1 KB | bpb, bytes 8–16 KB | Δ vs none, 8–16 KB | '
-                'late Δ − early Δ | CPU per step vs none | wall per step vs none |' + (' weight on memory |' if gates else '')
+        head = ('| setting | seeds | bpb, all: mean ± sd of seeds | bpb, bytes 0–1 KB | bpb, bytes 8–16 KB | Δ vs none, 8–16 KB: mean ± 95% '
+                'interval, verdict | late Δ − early Δ: mean ± 95% interval, verdict | CPU per step vs none | '
+                'wall per step vs none |' + (' weight on memory |' if gates else '')
                 + '\n|---|---|---|---|---|---|---|---|---|' + ('---|' if gates else ''))
         rows = []
         for l in self.labels:
             m, s, n = self.bpb(l); e, es, _ = self.bpb(l, *EARLY); t, ts, _ = self.bpb(l, *LATE)
-            g, sure = self.gain(l, 'none', *LATE)
-            gs = '' if l == 'none' else f"{g:+.3f}" + (' (both seeds)' if sure else '')
-            w, wsure = self.growth(l)
-            ws = '' if l == 'none' else f"{w:+.3f}" + (' (both seeds)' if wsure else '')
+            gs = '' if l == 'none' else self.interval_text(l, short=True)
+            ws = '' if l == 'none' else self.interval_text(l, early=EARLY, short=True)
             rows.append(f"| `{l}` | {n} | {fmt(m, s)} | {fmt(e, es)} | {fmt(t, ts)} | {gs} | {ws} | "
                         f"{self.cost(l):.2f}× | {self.cost(l, 'step_time'):.2f}× |"
                         + (f" {'' if math.isnan(self.memory_weight(l)) else f'{self.memory_weight(l):.2f}'} |" if gates else ''))
-        return head + '\n' + '\n'.join(rows)
+        return head + '\n' + '\n'.join(rows) + '\n\n' + self.rule()
 
-    def interval(self, label, base='none', lo=LATE[0], hi=LATE[1]):
-        """(mean, half-width of the 95% t-interval, pairs, paired) of `label` minus `base` over [lo, hi), seed by seed;
-        `paired`: every run of both started from the paired initialisation (else the differences also carry the
-        initialisation's noise). NaN half-width with fewer than 2 pairs."""
+    def paired(self) -> bool:
+        "Whether every run records the paired initialisation (`init`); False for none at all."
+        return bool(self.all) and all(is_paired(r) for r in self.all)
+
+    def seeds_text(self) -> str:
+        "'2 seeds per setting', or '2 to 4 seeds per setting' where the settings have different counts."
+        n = sorted({len(self.runs(l)) for l in self.labels}) or [0]
+        return f"{n[0]}{'' if len(n) == 1 else f' to {n[-1]}'} seed{'s' * (n[-1] != 1)} per setting"
+
+    def pairing_text(self) -> str:
+        "Whether the runs were paired, from what they record (`is_paired`)."
+        k = sum(is_paired(r) for r in self.all)
+        if self.all and k == len(self.all):
+            return ("paired: every run records `init`, so with the same seed every setting's shared parameters start from "
+                    "the same values")
+        clause = ("a kNN setting's shared parameters did not start where the same seed's `none` did, so its differences "
+                  "also carry initialisation noise")
+        if k == 0: return "stored before paired initialisation (no `init` recorded): " + clause
+        return f"{k} of {len(self.all)} runs paired; in the others " + clause
+
+    def rule(self) -> str:
+        "`PAIRED_RULE` with these runs' seeds and pairing: the sentence printed below every verdict."
+        return PAIRED_RULE.format(lo=LATE[0] // 1024, hi=LATE[1] // 1024, elo=EARLY[0] // 1024, ehi=EARLY[1] // 1024,
+                                  seeds=self.seeds_text(),
+                                  pairing=self.pairing_text(), margin=MARGIN, ppl=2 ** MARGIN - 1)
+
+    def interval(self, label, base='none', lo=LATE[0], hi=LATE[1], early=None):
+        """(mean, half-width of the 95% t-interval, pairs, paired) of `label` minus `base` over [lo, hi), seed by seed
+        (`early`: minus the same difference over the bytes [early[0], early[1]), per seed); `paired`: every run of both
+        started from the paired initialisation (else the differences also carry the initialisation's noise). NaN
+        half-width with fewer than 2 pairs."""
+        _, m, half, n = judge(self._diffs(label, base, lo, hi, early))
+        return m, half, n, all(is_paired(r) for l in (label, base) for r in self.runs(l))
+
+    def _diffs(self, label, base, lo, hi, early=None) -> list:
         d = self.diffs(label, base, lo, hi)
-        paired = all(is_paired(r) for l in (label, base) for r in self.runs(l))
-        if len(d) < 2: return (statistics.mean(d) if d else math.nan), math.nan, len(d), paired
-        return statistics.mean(d), t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d)), len(d), paired
+        return d if early is None else [a - b for a, b in zip(d, self.diffs(label, base, *early))]
 
-    def paired_verdict(self, label, base='none', lo=LATE[0], hi=LATE[1]):
-        """By `PAIRED_RULE`: 'better' (the interval lies below 0), 'worse' (above 0), 'no difference' (it holds 0),
-        'not known' (fewer than 2 pairs); None if either was not run."""
+    def paired_verdict(self, label, base='none', lo=LATE[0], hi=LATE[1], early=None):
+        """By `PAIRED_RULE`: 'better' (the interval lies below 0), 'worse' (above 0), 'no difference' (inside
+        +-`MARGIN`), 'not known' (otherwise, or fewer than 2 pairs); None if either was not run."""
         if label not in self.labels or base not in self.labels: return None
-        m, half, n, _ = self.interval(label, base, lo, hi)
-        if n < 2: return 'not known'
-        return 'better' if m + half < 0 else 'worse' if m - half > 0 else 'no difference'
+        return judge(self._diffs(label, base, lo, hi, early))[0]
 
-    def interval_text(self, label, base='none', lo=LATE[0], hi=LATE[1]) -> str:
-        "'`label` − `base`: -0.012 ± 0.010 bits per byte (4 paired seeds)', for a sentence."
+    def interval_text(self, label, base='none', lo=LATE[0], hi=LATE[1], early=None, short=False) -> str:
+        """'`label` − `base`: -0.012 ± 0.010 bits per byte (4 paired seeds), better', for a sentence; `short`: the
+        numbers and the verdict alone, for a table cell."""
         if label not in self.labels or base not in self.labels: return f'`{label}` against `{base}`: not run yet'
-        m, half, n, paired = self.interval(label, base, lo, hi)
-        return (f"`{label}` − `{base}`: {m:+.3f}" + ('' if math.isnan(half) else f" ± {half:.3f}") + " bits per byte ("
-                + f"{n} {'paired ' if paired else ''}seed{'s' * (n != 1)})")
-
-    def compare(self, label, base, lo=LATE[0], hi=LATE[1]) -> str:
-        "'`label` − `base`: +0.012 bits (both seeds)' or '(seeds disagree)', for a sentence; '' if either was not run."
-        if label not in self.labels or base not in self.labels: return f'`{label}` against `{base}`: not run yet'
-        m, sure = self.gain(label, base, lo, hi)
-        seeds = len(self.diffs(label, base, lo, hi))
-        tag = ('every seed agrees' if sure else 'within the spread of the seeds' if seeds > 1 else 'one seed only')
-        return f'`{label}` − `{base}`: {m:+.3f} bits per byte ({tag})'
-
-    def verdict(self, label, base, lo=LATE[0], hi=LATE[1]):
-        """'better', 'worse' (every seed agrees, at least 0.005 bits), 'no difference' (otherwise), 'one seed' (only one
-        seed of both stored: no verdict), or None (not run)."""
-        if label not in self.labels or base not in self.labels: return None
-        if len(self.diffs(label, base, lo, hi)) < 2: return 'one seed'
-        m, sure = self.gain(label, base, lo, hi)
-        return ('better' if m < 0 else 'worse') if sure else 'no difference'
+        v, m, half, n = judge(self._diffs(label, base, lo, hi, early))
+        paired = self.interval(label, base, lo, hi, early)[3]
+        num = f"{m:+.3f}" + ('' if math.isnan(half) else f" ± {half:.3f}")
+        if short: return f"{num}, {v}"
+        return (f"`{label}` − `{base}`: {num} bits per byte ({n} {'paired ' if paired else ''}seed{'s' * (n != 1)}), {v}")
 
     def paper_ordering(self) -> list:
-        """The paper's claims as this section checks them (late in documents, 8-16 KB), each with what the runs say:
-        (claim, verdict here, evidence). A claim holds when every seed agrees; 'mixed': one step of the memory sizes is
-        better in every seed, another worse."""
-        v, c = self.verdict, self.compare
+        """The paper's claims as this section checks them (late in documents, 8-16 KB), each with its verdict by
+        `PAIRED_RULE` and the evidence: (claim, verdict, evidence). The memory-size claim needs every step from one size
+        to the next 'better'; 'mixed': one step is better, another worse."""
+        v, c = self.paired_verdict, self.interval_text
         sizes = [l for l in ('knn 1x', 'knn 4x', 'knn 16x', 'knn 64x') if l in self.labels]
         steps = [(b, a) for a, b in zip(sizes, sizes[1:])]
         more = [v(b, a) for b, a in steps]
-        out = [('a kNN memory lowers bits per byte', v('knn 16x', 'none'), c('knn 16x', 'none')),
-               ('more memory lowers it more (1× → 4× → 16× → 64× the segment)',
-                None if not steps else 'one seed' if 'one seed' in more else 'better' if all(x == 'better' for x in more)
-                else 'mixed' if 'better' in more and 'worse' in more else 'worse' if 'worse' in more else 'no difference',
-                '; '.join(c(b, a) for b, a in steps)),
-               ('the XL cache lowers it', v('xl', 'none'), c('xl', 'none')),
-               ('the XL cache gains more than the kNN memory alone', v('xl', 'knn 16x'), c('xl', 'knn 16x')),
-               ('memory + XL cache beats the XL cache alone', v('knn 16x + xl', 'xl'), c('knn 16x + xl', 'xl')),
-               ('memory + XL cache beats the memory alone', v('knn 16x + xl', 'knn 16x'), c('knn 16x + xl', 'knn 16x'))]
-        return out
+        size = (None if not steps else 'better' if all(x == 'better' for x in more)
+                else 'mixed' if 'better' in more and 'worse' in more else 'worse' if 'worse' in more
+                else 'not known' if 'not known' in more else 'no difference')
+        return [('a kNN memory lowers bits per byte', v('knn 16x', 'none'), c('knn 16x', 'none')),
+                ('more memory lowers it more (1× → 4× → 16× → 64× the segment)', size, '; '.join(c(b, a) for b, a in steps)),
+                ('the XL cache lowers it', v('xl', 'none'), c('xl', 'none')),
+                ('the XL cache gains more than the kNN memory alone', v('xl', 'knn 16x'), c('xl', 'knn 16x')),
+                ('memory + XL cache beats the XL cache alone', v('knn 16x + xl', 'xl'), c('knn 16x + xl', 'xl')),
+                ('memory + XL cache beats the memory alone', v('knn 16x + xl', 'knn 16x'), c('knn 16x + xl', 'knn 16x'))]
 
     def short_answer(self) -> str:
-        "A paragraph for the docs home: what memory did late in the validation documents at this phase's budget, from the runs."
+        "Paragraphs for the docs home: what memory did late in the validation documents at this phase's budget, from the runs, and the rule."
         if not {'none', 'knn 16x'} <= set(self.labels):
             return 'The study has not been run yet (`make memorizing-study`).'
         c = self.config()
         verdicts = [v for _, v, _ in self.paper_ordering()]
         mem = [l for l in self.labels if l != 'none']
-        best = min(mem, key=lambda l: self.gain(l, 'none', *LATE)[0])
+        by = {k: [l for l in mem if self.paired_verdict(l) == k] for k in ('better', 'worse', 'no difference', 'not known')}
+        names = lambda ls: ', '.join(f'`{l}`' for l in ls)
+        parts = [f"{k}: {names(ls)}" for k, ls in by.items() if ls and k != 'not known']
+        if by['not known']: parts.append(f"not known: {'the other ' if parts else ''}{len(by['not known'])}")
+        counts = {'agree': sum(v == 'better' for v in verdicts), 'disagree': sum(v == 'worse' for v in verdicts),
+                  'mixed': sum(v == 'mixed' for v in verdicts), 'no difference': sum(v == 'no difference' for v in verdicts),
+                  'not known': sum(v in ('not known', None) for v in verdicts)}
         out = (f"On bytes 8–16 KB of the validation documents, after {c['steps']:,} steps ({c['steps'] * c['batch'] * c['seq']:,} "
-               f"training bytes, `d_model` {c['d_model']}, {len(self.seeds('none'))} seeds): "
-               f"{self.compare('knn 16x', 'none')}; {self.compare('xl', 'none')}; "
-               f"{self.compare('knn 16x + xl', 'none')}. The best setting there is `{best}` "
-               f"({self.gain(best, 'none', *LATE)[0]:+.3f} bits per byte against no memory). "
-               f"{sum(v == 'better' for v in verdicts)} of the paper's {len(verdicts)} claims hold at this scale")
+               f"training bytes, `d_model` {c['d_model']}, {self.seeds_text()}): "
+               f"{self.interval_text('knn 16x')}; {self.interval_text('xl')}; {self.interval_text('knn 16x + xl')}. "
+               + f"Against no memory, by the rule below, of {len(mem)} settings with a memory: "
+               + ('' if by['better'] else 'none better; ') + '; '.join(parts) + '.\n\n'
+               + f"Of the paper's {len(verdicts)} claims checked there: " + ', '.join(
+                   f"{k} {what}" for what, k in counts.items() if k))
         if {'knn 64x', 'knn 64x faiss'} <= set(self.labels):
-            out += (f"; in these training runs (one thread each, two sharing the machine) a step with a memory of 64× the "
+            out += (f". In these training runs (one thread each, two sharing the machine) a step with a memory of 64× the "
                     f"segment took {self.cost('knn 64x'):.2f}× the CPU time of a step without memory with exact search, "
                     f"{self.cost('knn 64x faiss'):.2f}× with faiss")
-        return out + '.'
+        return out + '.\n\n' + self.rule()
 
     def config(self) -> dict:
         "The phase's sizes as the runs recorded them (those of the setting without memory)."

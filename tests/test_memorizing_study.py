@@ -262,40 +262,47 @@ def _fake_run(label, seed, late_bpb, early_bpb=3.0, cpu=0.1):
                 eval=dict(buckets=list(S.BUCKETS), bucket_bits=bits, bucket_bytes=sizes, bytes=sum(sizes)))
 
 
-def test_results_reader_pairs_seeds_and_marks_only_agreeing_differences():
+def test_results_reader_pairs_seeds_and_two_agreeing_seeds_are_not_a_verdict():
     runs = [_fake_run('none', 0, 2.0), _fake_run('none', 1, 2.2),
-            _fake_run('knn 16x', 0, 1.9, cpu=0.3), _fake_run('knn 16x', 1, 2.15, cpu=0.3),   # better in both seeds
-            _fake_run('xl', 0, 2.1), _fake_run('xl', 1, 2.1),                                 # +0.1 and -0.1: no verdict
+            _fake_run('knn 16x', 0, 1.9, cpu=0.3), _fake_run('knn 16x', 1, 2.15, cpu=0.3),   # -0.10, -0.05: same sign
+            _fake_run('xl', 0, 2.1), _fake_run('xl', 1, 2.1),                                 # +0.1 and -0.1
             {'label': 'knn 1x', 'seed': 0, 'error': 'RuntimeError: x'}]                       # failed runs are ignored
     R = S.MemStudyResults(runs)
     assert R.labels == ['none', 'xl', 'knn 16x']
-    m, sure = R.gain('knn 16x', 'none', *S.LATE)
-    assert math.isclose(m, -0.075) and sure
-    m, sure = R.gain('xl', 'none', *S.LATE)
-    assert math.isclose(m, 0.0, abs_tol=1e-12) and not sure
-    assert R.verdict('knn 16x', 'none') == 'better' and R.verdict('xl', 'none') == 'no difference'
-    assert R.verdict('knn 64x', 'none') is None                                           # not run
+    assert math.isclose(R.gain('knn 16x', 'none', *S.LATE), -0.075)
+    assert math.isclose(R.gain('xl', 'none', *S.LATE), 0.0, abs_tol=1e-12)
+    # the old rule ("every seed agrees on the sign, |mean| >= 0.005") called knn 16x better: its 95% interval,
+    # 12.706 * 0.0354 / sqrt 2 = 0.318, holds 0 and reaches past the margin
+    m, half, n, paired = R.interval('knn 16x')
+    assert n == 2 and not paired and math.isclose(half, 12.706 * 0.05 / 2, rel_tol=1e-6)
+    assert R.paired_verdict('knn 16x') == 'not known' and R.paired_verdict('xl') == 'not known'
+    assert R.paired_verdict('knn 64x') is None                                           # not run
     assert math.isclose(R.bpb('none', *S.EARLY)[0], 3.0) and math.isclose(R.cost('knn 16x'), 3.0)
     assert [b for b, _ in R.curve('none')] == [(0, 512), (512, 1024), (1024, 2048), (2048, 4096), (4096, 8192), (8192, 16384)]
-    w, wsure = R.growth('knn 16x')   # early bytes are 3.0 everywhere: the growth is the late gain
-    assert math.isclose(w, -0.075) and wsure
+    assert R.interval('knn 16x', early=S.EARLY)[:3] == R.interval('knn 16x')[:3]   # early bytes are 3.0 everywhere
     table = R.table()
-    assert '| `knn 16x` | 2 |' in table and '-0.075 (both seeds)' in table and '3.00×' in table
+    assert '| `knn 16x` | 2 |' in table and '-0.075 ± 0.318, not known' in table and '3.00×' in table
+    assert table.endswith(R.rule()) and 'both seeds' not in table
     claims = dict((c, v) for c, v, _ in R.paper_ordering())
-    assert claims['a kNN memory lowers bits per byte'] == 'better'
-    assert claims['the XL cache gains more than the kNN memory alone'] == 'no difference'   # +0.2, -0.05: seeds disagree
+    assert claims['a kNN memory lowers bits per byte'] == 'not known'
     assert claims['memory + XL cache beats the XL cache alone'] is None                       # not run
-    assert R.verdict('none', 'knn 16x') == 'worse'
     R1 = S.MemStudyResults([r for r in runs if r.get('seed') == 0])          # one seed: no verdict either way
-    assert R1.verdict('knn 16x', 'none') == 'one seed' and not R1.gain('knn 16x', 'none', *S.LATE)[1]
+    assert R1.paired_verdict('knn 16x') == 'not known' and R1.paired_verdict('none', 'knn 16x') == 'not known'
+    assert '-0.100 bits per byte (1 seed), not known' in R1.interval_text('knn 16x')
 
 
 def test_more_memory_claim_is_mixed_when_size_steps_disagree():
     runs = [_fake_run(l, s, v + 0.01 * s) for s in (0, 1)
             for l, v in (('none', 2.0), ('knn 1x', 2.1), ('knn 4x', 2.05), ('knn 16x', 2.2), ('knn 64x', 2.2))]
-    claims = {c: v for c, v, _ in S.MemStudyResults(runs).paper_ordering()}
+    R = S.MemStudyResults(runs)   # every difference the same in both seeds: intervals of width 0
+    assert [R.paired_verdict(b, a) for a, b in (('knn 1x', 'knn 4x'), ('knn 4x', 'knn 16x'), ('knn 16x', 'knn 64x'))] \
+        == ['better', 'worse', 'no difference']
+    claims = {c: v for c, v, _ in R.paper_ordering()}
     assert claims['more memory lowers it more (1× → 4× → 16× → 64× the segment)'] == 'mixed'
     assert claims['a kNN memory lowers bits per byte'] == 'worse'
+    runs = [r for r in runs if r['label'] != 'knn 4x'] + [_fake_run('knn 4x', s, 2.15 + 0.2 * s) for s in (0, 1)]
+    claims = {c: v for c, v, _ in S.MemStudyResults(runs).paper_ordering()}   # 1x -> 4x now not known, 4x -> 16x too
+    assert claims['more memory lowers it more (1× → 4× → 16× → 64× the segment)'] == 'not known'
 
 
 def test_phases_have_their_own_files_and_readers():
@@ -342,8 +349,10 @@ def test_short_answer_is_generated_from_the_runs():
             for s in (0, 1) for l, v, c in (('none', 2.0, .1), ('xl', 1.9, .1), ('knn 16x', 2.1, .2), ('knn 16x + xl', 1.8, .3),
                                             ('knn 64x', 2.0, .3), ('knn 64x faiss', 2.0, .15))]
     text = S.MemStudyResults(runs).short_answer()
-    assert '10 steps (80 training bytes' in text and '`knn 16x` − `none`: +0.100' in text
-    assert 'best setting there is `knn 16x + xl` (-0.200' in text and 'took 3.00×' in text and '1.50× with faiss' in text
+    assert '10 steps (80 training bytes' in text and '2 seeds per setting' in text
+    assert '`knn 16x` − `none`: +0.100 ± 0.000 bits per byte (2 seeds), worse' in text
+    assert 'of 5 settings with a memory: better: `xl`, `knn 16x + xl`; worse: `knn 16x`; no difference: `knn 64x`, `knn 64x faiss`.' in text and 'took 3.00×' in text and '1.50× with faiss' in text
+    assert text.endswith(S.MemStudyResults(runs).rule()) and 'best setting' not in text
     assert S.MemStudyResults([]).short_answer().startswith('The study has not been run')
 
 
@@ -388,8 +397,9 @@ def test_a_run_records_its_paired_initialisation():
 
 def test_paired_verdicts_follow_the_interval_rule():
     late = {'none': (2.00, 2.10, 2.05, 2.20), 'knn 16x': (1.95, 2.06, 2.00, 2.14),      # -0.05, -0.04, -0.05, -0.06: better
-            'xl': (2.05, 2.05, 2.10, 2.15),                                              # +0.05, -0.05, +0.05, -0.05: no difference
-            'knn 4x': (2.10, 2.21, 2.14, 2.31)}                                          # +0.10, +0.11, +0.09, +0.11: worse
+            'xl': (2.05, 2.05, 2.10, 2.15),                                              # +0.05, -0.05, +0.05, -0.05: not known
+            'knn 4x': (2.10, 2.21, 2.14, 2.31),                                          # +0.10, +0.11, +0.09, +0.11: worse
+            'knn 1x': (2.002, 2.098, 2.051, 2.199)}                                      # +-0.002, +-0.001: no difference
     runs = [dict(_fake_run(l, s, v[s]), init={'paired_with': 'none'}) for l, v in late.items() for s in range(4)]
     runs.append(dict(_fake_run('knn 64x', 0, 1.0), init={'paired_with': 'none'}))        # one seed: not known
     R = S.MemStudyResults(runs)
@@ -398,9 +408,80 @@ def test_paired_verdicts_follow_the_interval_rule():
     assert n == 4 and paired and math.isclose(m, sum(d) / 4, abs_tol=1e-9)
     sd = math.sqrt(sum((x - m) ** 2 for x in d) / 3)
     assert math.isclose(half, 3.182 * sd / 2, rel_tol=1e-9)                                 # t(0.975, 3) = 3.182
-    assert [R.paired_verdict(l) for l in ('knn 16x', 'xl', 'knn 4x', 'knn 64x')] == ['better', 'no difference', 'worse', 'not known']
-    assert R.paired_verdict('knn 1x') is None
-    assert '`knn 16x` − `none`: -0.050 ± ' in R.interval_text('knn 16x') and '(4 paired seeds)' in R.interval_text('knn 16x')
+    assert [R.paired_verdict(l) for l in ('knn 16x', 'xl', 'knn 4x', 'knn 1x', 'knn 64x')] == \
+        ['better', 'not known', 'worse', 'no difference', 'not known']
+    assert R.paired_verdict('knn 16x top-128') is None
+    assert '`knn 16x` − `none`: -0.050 ± ' in R.interval_text('knn 16x') and '(4 paired seeds), better' in R.interval_text('knn 16x')
     unpaired = S.MemStudyResults([{k: v for k, v in r.items() if k != 'init'} for r in runs])
     assert not unpaired.interval('knn 16x')[3] and '(4 seeds)' in unpaired.interval_text('knn 16x')
-    assert '95% t-interval' in S.PAIRED_RULE
+    assert '95% t-interval' in S.PAIRED_RULE and '{margin' in S.PAIRED_RULE
+
+
+# ---------------------------------------------------------------- the rule, branch by branch
+@pytest.mark.parametrize('d, verdict', [
+    ([-0.05, -0.04, -0.05, -0.06], 'better'),            # interval below 0
+    ([0.10, 0.11, 0.09, 0.11], 'worse'),                 # interval above 0
+    ([0.002, -0.002, 0.001, -0.001], 'no difference'),   # interval holds 0, inside +-MARGIN
+    ([0.05, -0.05, 0.05, -0.05], 'not known'),           # interval holds 0, reaches past the margin
+    ([-0.05, -0.0001], 'not known'),                     # a null seed does not make a verdict (the old rule: better)
+    ([-0.3], 'not known'),                               # fewer than 2 seeds
+    ([], 'not known'),
+    ([-0.004, -0.004], 'better'),                        # below 0 though inside the margin: the sign is known
+])
+def test_rule_branches(d, verdict):
+    v, m, half, n = S.judge(d)
+    assert v == verdict and n == len(d)
+    if len(d) >= 2:
+        mean = sum(d) / len(d); sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+        assert math.isclose(m, mean) and math.isclose(half, S.t975(len(d) - 1) * sd / math.sqrt(len(d)))
+    else: assert math.isnan(half)
+
+def test_rule_margin_edge():
+    "An interval around 0 is *no difference* just inside +-MARGIN and *not known* just past it (2 seeds: t = 12.706)."
+    x = lambda reach: reach * S.MARGIN / 12.706      # the seeds +-x give the interval 0 +- reach * MARGIN
+    assert S.judge([x(0.99), -x(0.99)])[0] == 'no difference'
+    assert S.judge([x(1.01), -x(1.01)])[0] == 'not known'
+    assert S.judge([S.MARGIN / 2 + 1e-9, S.MARGIN / 2 - 1e-9])[0] == 'worse'   # the sign first, then the margin
+    assert S.MARGIN == 0.01 and f'±{S.MARGIN:g} bits per byte' in S.MemStudyResults([_fake_run('none', 0, 2.0)]).rule()
+
+def test_rule_says_whether_the_runs_were_paired():
+    runs = [_fake_run(l, s, 2.0 + 0.01 * s) for l in ('none', 'knn 16x') for s in (0, 1)]
+    unpaired = S.MemStudyResults(runs).rule()
+    assert '2 seeds per setting, stored before paired initialisation' in unpaired and 'initialisation noise' in unpaired
+    paired = S.MemStudyResults([dict(r, init={}) for r in runs]).rule()
+    assert 'paired: every run records `init`' in paired and 'noise' not in paired
+    mixed = S.MemStudyResults([dict(r, init={}) if r['seed'] == 0 else r for r in runs]).rule()
+    assert '2 of 4 runs paired' in mixed
+    more = S.MemStudyResults(runs + [_fake_run('none', 2, 2.0), _fake_run('none', 3, 2.0)]).rule()
+    assert '2 to 4 seeds per setting' in more
+    for rule in (unpaired, paired, mixed):
+        assert rule.startswith(S.PAIRED_RULE.split('{')[0]) and len(rule.split()) <= 100   # one paragraph
+
+# ---------------------------------------------------------------- the chapter and the docs home
+NBS = S.ROOT / 'nbs'
+OLD_RULE = ('every seed agrees', 'both seeds', 'in every seed', 'the same seed gives the same initialisation')
+
+def _cells(name):
+    for c in json.loads((NBS / name).read_text())['cells']:
+        yield ''.join(c['source']), [''.join(o.get('data', {}).get('text/markdown', '')) + ''.join(o.get('text', ''))
+                                     for o in c.get('outputs', [])]
+
+@pytest.mark.parametrize('name', ['10_memorizing.ipynb', 'index.ipynb'])
+def test_no_old_rule_phrase(name):
+    "Neither the cells nor their outputs use the old rule ('every seed agrees', a mean of 0.005) or claim pairing."
+    for source, outputs in _cells(name):
+        for text in [source] + outputs:
+            assert not any(p in text.lower() for p in OLD_RULE), (name, text[:200])
+    assert '0.005' not in ''.join(s for s, _ in _cells(name) if 'MS.' in s or 'short_answer' in s)
+
+def test_chapter_prints_the_rule_of_the_stored_runs():
+    "Every verdict table and list of the chapter ends with the rule, formatted from `PAIRED_RULE` for the stored runs."
+    long, short = S.MemStudyResults.load(phase='long'), S.MemStudyResults.load(phase='short')
+    outputs = [o for _, outs in _cells('10_memorizing.ipynb') for o in outs]
+    rule_outputs = [o for o in outputs if '*Rule:*' in o]
+    assert len(rule_outputs) == 4, len(rule_outputs)   # the two tables, the findings, the claims against the paper
+    assert sum(o.rstrip().endswith(long.rule()) for o in rule_outputs) >= 3
+    assert any(o.rstrip().endswith(short.rule()) for o in rule_outputs)
+    assert f"±{S.MARGIN:g} bits per byte" in long.rule() and long.seeds_text() in long.rule()
+    home = [o for _, outs in _cells('index.ipynb') for o in outs if 'On bytes 8–16 KB' in o]
+    assert len(home) == 1 and home[0].rstrip().endswith(long.rule())
