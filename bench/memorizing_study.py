@@ -456,6 +456,11 @@ class MemStudyResults:
              for layer in (initial_gate_local(r) if initial else r['gate_local']) for g in layer]
         return statistics.mean(w) if w else math.nan
 
+    def weight_text(self, label) -> str:
+        "'0.46 (0.50)': the weight on memory trained and at initialisation, for the table; '' where not recorded."
+        w = self.memory_weight(label)
+        return '' if math.isnan(w) else f"{w:.2f} ({self.memory_weight(label, initial=True):.2f})"
+
     def curve(self, label, min_bytes:int=256):
         "(bucket (start, end), mean bits per byte over seeds) for the buckets that score at least `min_bytes` bytes."
         runs = self.runs(label); edges = runs[0]['eval']['buckets']
@@ -474,7 +479,7 @@ class MemStudyResults:
         gates = any(r.get('gate_local') for r in self.all)   # recorded by runs of the current harness
         head = ('| setting | seeds | bpb, all: mean ± sd of seeds | bpb, bytes 0–1 KB | bpb, bytes 8–16 KB | Δ vs none, 8–16 KB: mean ± 95% '
                 'interval, verdict | late Δ − early Δ: mean ± 95% interval, verdict | CPU per step vs none | '
-                'wall per step vs none |' + (' weight on memory |' if gates else '')
+                'wall per step vs none |' + (' weight on memory: trained (at initialisation) |' if gates else '')
                 + '\n|---|---|---|---|---|---|---|---|---|' + ('---|' if gates else ''))
         rows = []
         for l in self.labels:
@@ -483,7 +488,7 @@ class MemStudyResults:
             ws = '' if l == 'none' else self.interval_text(l, early=EARLY, short=True)
             rows.append(f"| `{l}` | {n} | {fmt(m, s)} | {fmt(e, es)} | {fmt(t, ts)} | {gs} | {ws} | "
                         f"{self.cost(l):.2f}× | {self.cost(l, 'step_time'):.2f}× |"
-                        + (f" {'' if math.isnan(self.memory_weight(l)) else f'{self.memory_weight(l):.2f}'} |" if gates else ''))
+                        + (f" {self.weight_text(l)} |" if gates else ''))
         return head + '\n' + '\n'.join(rows) + '\n\n' + self.rule()
 
     def paired(self) -> bool:
@@ -554,7 +559,6 @@ class MemStudyResults:
         return [('a kNN memory lowers bits per byte', v('knn 16x', 'none'), c('knn 16x', 'none')),
                 ('more memory lowers it more (1× → 4× → 16× → 64× the segment)', size, '; '.join(c(b, a) for b, a in steps)),
                 ('the XL cache lowers it', v('xl', 'none'), c('xl', 'none')),
-                ('the XL cache gains more than the kNN memory alone', v('xl', 'knn 16x'), c('xl', 'knn 16x')),
                 ('memory + XL cache beats the XL cache alone', v('knn 16x + xl', 'xl'), c('knn 16x + xl', 'xl')),
                 ('memory + XL cache beats the memory alone', v('knn 16x + xl', 'knn 16x'), c('knn 16x + xl', 'knn 16x'))]
 

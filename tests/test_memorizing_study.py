@@ -314,12 +314,20 @@ def test_phases_have_their_own_files_and_readers():
         assert len(runs) == 2 * len(S.settings(phase)) and {r['phase'] for r in runs} == {phase}
         assert all(r['steps'] == cfg['steps'] and r['d_model'] == cfg['d_model'] for r in runs)
     runs = [dict(_fake_run('none', 0, 2.0), phase='short'), dict(_fake_run('none', 0, 1.5), phase='long'),
-            dict(_fake_run('knn 16x', 0, 1.4), phase='long', gate_local=[[0.75, 0.25]])]
+            dict(_fake_run('knn 16x', 0, 1.4), phase='long', gate_local=[[0.75, 0.25]],
+                 config={k: S.PHASES['long'][k] for k in ('seq', 'd_model', 'heads', 'n_layers', 'position')})]
     long, short = S.MemStudyResults(runs, 'long'), S.MemStudyResults(runs, 'short')
     assert long.labels == ['none', 'knn 16x'] and short.labels == ['none']
     assert math.isclose(long.run_bpb(long.runs('none')[0], *S.LATE), 1.5)
     assert math.isclose(long.memory_weight('knn 16x'), 0.5) and math.isnan(long.memory_weight('none'))
-    assert 'weight on memory' in long.table() and '| 0.50 |' in long.table() and 'weight on memory' not in short.table()
+    # beside it, the same weight at initialisation: the model of that seed and setting built again
+    c = S.PHASES['long']
+    torch.manual_seed(0)
+    gates = [a.gate.bias.detach() for a in S.build_model(c['seq'], c['d_model'], c['heads'], c['n_layers'], c['position'],
+                                                          **S.settings('long')['knn 16x']).memorizing]
+    at_init = float(torch.cat([1 - torch.sigmoid(g) for g in gates]).mean())
+    assert f"| 0.50 ({at_init:.2f}) |" in long.table() and 'weight on memory: trained (at initialisation)' in long.table()
+    assert 'weight on memory' not in short.table()
 
 
 def test_every_stored_run_belongs_to_a_phase_and_its_file():
