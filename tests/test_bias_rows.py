@@ -258,3 +258,19 @@ def test_decoder_training_step_with_packed_documents_keeps_memory_bounded(positi
             loss.backward()
         assert max(sizes) < n * n, f"{step.__name__}: autograd keeps a tensor of {max(sizes)} elements (n x n = {n * n})"
         assert all(p.grad is None or p.grad.isfinite().all() for p in lm.parameters())
+
+
+def test_torch_compile():
+    "Under torch.compile the blocks are checkpointed: the readable path's values and gradient (packed ids, several blocks)."
+    m = layer('t5').float()
+    ids, mask = inputs('t5', 1, 32, 32, 'packed', 'none', 0)
+    x = torch.randn(32, 1, 24)
+    w = torch.linspace(-1, 1, x.numel()).view(x.shape)
+    def out_and_grad(f):
+        xg = x.clone().requires_grad_()
+        out = f(xg)
+        return out.detach(), torch.autograd.grad((out * w).sum(), xg)[0]
+    with mock.patch.object(bias_mod, 'BIAS_BLOCK_SCORES', 8 * 32):
+        want = out_and_grad(lambda x: m(query=x, key=x, value=x, mask=mask, position_ids=ids, need_weights=True))
+        got = out_and_grad(torch.compile(lambda x: m(query=x, key=x, value=x, mask=mask, position_ids=ids)))
+    assert (got[0] - want[0]).abs().max() <= 1e-5 and (got[1] - want[1]).abs().max() <= 1e-4
