@@ -118,7 +118,7 @@ _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cp
 
 @patch
 def attention_fast(self:ALiBiMultiHeadAttention, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
-    "Causal self-attention on CPU: the flash kernel's causal mode plus the finite bias; CUDA: FlexAttention; position ids or any other mask: `relpos.bias.bias_rows_attention` (the bias a block of query rows at a time)."
+    "Causal self-attention on CPU: the flash kernel's causal mode plus the finite bias; no mask: SDPA with the bias; CUDA: FlexAttention; position ids or any other mask: `relpos.bias.bias_rows_attention` (the bias a block of query rows at a time)."
     sq, sk = query.shape[0], key.shape[0]
     _check_key_length(sq, sk)
     dropout_p = self.dropout.p if self.training else 0.0
@@ -135,7 +135,9 @@ def attention_fast(self:ALiBiMultiHeadAttention, query, key, value, mask, positi
             guard_double_backward(x, q)   # fused kernel: create_graph=True stops with the way out (need_weights=True)
             x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
             return x.permute(2, 0, 1, 3)
-    # position ids (per batch element), any other mask, dropout: the bias built a block of query rows at a time
+        # no mask (bidirectional): one `[1, heads, sq, sk]` bias for every batch element, no gradient: SDPA's fused kernel
+        if mask is None: return super(ALiBiMultiHeadAttention, self).attention_fast(query, key, value, mask)
+    # position ids (per batch element), any other mask: the bias built a block of query rows at a time
     p = torch.arange(sk, device=query.device)[None] if position_ids is None else position_ids
     rows = lambda i0, i1, k0, k1, *params: self.bias_rows(p, sq, i0, i1, k0, k1, *params)
     return _rows_heads(query, key, value, mask, rows, self.bias_params(), self.scale, dropout_p)
