@@ -13,7 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 from .mha import MultiHeadAttention, functorch_active, guard_double_backward, is_causal_mask, and_causal, check_position_ids
 from fastcore.basics import patch
-from .bias import toeplitz_score_mod, _use_flex, _flex_heads
+from .bias import toeplitz_score_mod, _use_flex, _flex_heads, _rows_heads, _check_key_length
 
 # %% ../nbs/07_alibi.ipynb #743a8d1c
 def _check_heads(heads) -> int:
@@ -118,24 +118,50 @@ _flash_cpu = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cp
 
 @patch
 def attention_fast(self:ALiBiMultiHeadAttention, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
-    "SDPA with the bias as its float mask; causal self-attention on CPU: the flash kernel's causal mode plus the finite bias."
+    "Causal self-attention on CPU: the flash kernel's causal mode plus the finite bias; no mask: SDPA with the bias; CUDA: FlexAttention; position ids or any other mask: `relpos.bias.bias_rows_attention` (the bias a block of query rows at a time)."
     sq, sk = query.shape[0], key.shape[0]
-    # with position ids the bias is per batch element, `[batch, heads, sq, sk]`: SDPA with it as attn_mask;
-    # grouped-query heads off CPU: SDPA with enable_gqa (the FlexAttention route reads one key head per query head)
-    if position_ids is not None: return super(ALiBiMultiHeadAttention, self).attention_fast(query, key, value, mask, position_ids=position_ids)
-    if self.kv_heads == self.heads and _use_flex(query, self.dropout.p if self.training else 0.0):   # CUDA: FlexAttention (chapter 3b)
-        return _flex_heads(query, key, value, self.score_mod(sq, sk), self.scale, mask)
-    if (self.bidirectional or _flash_cpu is None or query.device.type != 'cpu' or functorch_active()
-            or (self.training and self.dropout.p > 0) or sq != sk or not is_causal_mask(mask, sq, sk)):
-        return super(ALiBiMultiHeadAttention, self).attention_fast(query, key, value, mask)
-    # `F.scaled_dot_product_attention` refuses `is_causal=True` together with an `attn_mask`; the CPU flash
-    # kernel it dispatches to takes both, skips the blocks above the diagonal and needs no -inf copy of the bias.
-    # It reads grouped-query key/value heads as they are (key/value head h // (heads // kv_heads)).
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [batch, heads, seq, d_k]
-    x, _ = _flash_cpu(q, k, v, 0.0, True, attn_mask=self.position_bias(sq, sk).to(q.dtype), scale=self.scale)
-    guard_double_backward(x, q)   # fused kernel: create_graph=True stops with the way out (need_weights=True)
-    x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
-    return x.permute(2, 0, 1, 3)
+    _check_key_length(sq, sk)
+    dropout_p = self.dropout.p if self.training else 0.0
+    if position_ids is None:
+        if self.kv_heads == self.heads and _use_flex(query, dropout_p):   # CUDA: FlexAttention (chapter 3b)
+            return _flex_heads(query, key, value, self.score_mod(sq, sk), self.scale, mask)
+        if not (self.bidirectional or _flash_cpu is None or query.device.type != 'cpu' or functorch_active()
+                or dropout_p > 0 or sq != sk or not is_causal_mask(mask, sq, sk)):
+            # `F.scaled_dot_product_attention` refuses `is_causal=True` together with an `attn_mask`; the CPU flash
+            # kernel it dispatches to takes both, skips the blocks above the diagonal and needs no -inf copy of the bias.
+            # It reads grouped-query key/value heads as they are (key/value head h // (heads // kv_heads)).
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [batch, heads, seq, d_k]
+            x, _ = _flash_cpu(q, k, v, 0.0, True, attn_mask=self.position_bias(sq, sk).to(q.dtype), scale=self.scale)
+            guard_double_backward(x, q)   # fused kernel: create_graph=True stops with the way out (need_weights=True)
+            x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
+            return x.permute(2, 0, 1, 3)
+        # no mask (bidirectional): one `[1, heads, sq, sk]` bias for every batch element, no gradient: SDPA's fused kernel
+        if mask is None: return super(ALiBiMultiHeadAttention, self).attention_fast(query, key, value, mask)
+    # position ids (per batch element), any other mask: the bias built a block of query rows at a time
+    p = torch.arange(sk, device=query.device)[None] if position_ids is None else position_ids
+    rows = lambda i0, i1, k0, k1, *params: self.bias_rows(p, sq, i0, i1, k0, k1, *params)
+    return _rows_heads(query, key, value, mask, rows, self.bias_params(), self.scale, dropout_p)
+
+@patch
+def bias_params(self:ALiBiMultiHeadAttention) -> tuple:
+    "`(slopes,)`, what `bias_rows` is made of (fixed: no gradient), in `position_bias`'s dtype."
+    w = self.output.weight
+    return (alibi_slopes(self.heads, w.dtype if w.dtype == torch.float64 else torch.float32, w.device),)
+
+@patch
+def bias_rows(self:ALiBiMultiHeadAttention,
+              position_ids:torch.Tensor, # int64 `[batch or 1, seq_k]`: the keys' positions (checked)
+              seq_len_q:int,             # queries: the last seq_len_q keys
+              i0:int, i1:int,            # the query rows wanted
+              k0:int=0, k1:Optional[int]=None, # the keys wanted (None: to the last)
+              *params) -> torch.Tensor:  # `[batch or 1, heads, i1 - i0, k1 - k0]`
+    "Rows `i0:i1`, columns `k0:k1` of `position_bias(seq_len_q, seq_k, position_ids)`, without the others: $m_h (p_j - p_i)$ or $-m_h |p_j - p_i|$."
+    slopes, = params or self.bias_params()
+    p = position_ids if position_ids.dim() == 2 else position_ids[None]
+    q0 = p.shape[1] - seq_len_q                                         # query i is key q0 + i
+    r = (p[:, None, k0:k1] - p[:, q0 + i0:q0 + i1, None]).to(slopes.dtype)  # [b|1, rows, keys]
+    if self.bidirectional: r = -r.abs()
+    return slopes[None, :, None, None] * r[:, None]
 
 # %% ../nbs/07_alibi.ipynb #flexalib2
 @patch

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .mha import (MultiHeadAttention, functorch_active, differentiable_backward, is_causal_mask, head_workers,
                         run_head_groups, check_position_ids)
-from .bias import _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length
+from .bias import _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length, _rows_heads
 
 # %% ../nbs/08b_fire.ipynb #e7cd9dc8
 def fire_psi(x:torch.Tensor, c:torch.Tensor) -> torch.Tensor:
@@ -130,32 +130,57 @@ class FireMultiHeadAttention(MultiHeadAttention):
         "`[1, heads, seq_q, seq_k]` (`[batch or 1, ...]` with `position_ids` or while `row_start` is set), added after the `1/sqrt(d_k)` scaling; the last query lines up with the last key."
         _check_key_length(seq_len_q, seq_len_k)
         if position_ids is None and self.row_start is None: return self.positions(seq_len_q, seq_len_k)
-        p = (torch.arange(seq_len_k, device=self.row_start.device)[None] if position_ids is None
+        rows, which = torch.unique(self.key_positions(seq_len_k, position_ids), dim=0, return_inverse=True)
+        return self.positions.from_positions(rows, seq_len_q)[which]      # one bias per distinct row of positions
+
+    def key_positions(self, seq_len_k:int, position_ids:Optional[torch.Tensor]=None) -> torch.Tensor:
+        "The keys' positions, int64 `[batch or 1, seq_k]`: `position_ids`, or 0, 1, ...; while `row_start` is set, each row's counted from its document's first key."
+        p = (torch.arange(seq_len_k, device=self.positions.c.device)[None] if position_ids is None
              else check_position_ids(position_ids, seq_len_k, position_ids.shape[0] if position_ids.dim() == 2 else 1))
         if self.row_start is not None:   # each row's positions count from its document's first key
             p = p.expand(len(self.row_start), -1)
             p = p - p.gather(1, self.row_start.to(p.device)[:, None])
-        rows, which = torch.unique(p, dim=0, return_inverse=True)        # one bias per distinct row of positions
-        return self.positions.from_positions(rows, seq_len_q)[which]      # [batch or 1, heads, seq_q, seq_k]
+        return p
 
 # %% ../nbs/08b_fire.ipynb #22b39d68
 @patch
 def attention_fast(self:FireMultiHeadAttention, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
-    "CUDA: FlexAttention with `score_mod`; no mask or the causal one: `fire_attention` (bias by blocks of rows); any other mask, `position_ids` or per-row starts: the base class's SDPA with the built bias."
+    "CUDA: FlexAttention with `score_mod`; no mask or the causal one: `fire_attention` (bias by blocks of rows); any other mask, `position_ids` or per-row starts: `relpos.bias.bias_rows_attention` (the bias a block of query rows at a time)."
     nq, nk = query.shape[0], key.shape[0]
-    if nk < nq or self.row_start is not None or position_ids is not None:   # too few keys: raises; else SDPA with the built bias
-        ids = {} if position_ids is None else {'position_ids': position_ids}
-        return super(FireMultiHeadAttention, self).attention_fast(query, key, value, mask, **ids)
+    _check_key_length(nq, nk)
     dropout_p = self.dropout.p if self.training else 0.0
-    if _use_flex(query, dropout_p):           # CUDA: the formula inside FlexAttention's kernel (chapter 3b)
-        return _flex_heads(query, key, value, self.score_mod(nq, nk), self.scale, mask)
-    causal = is_causal_mask(mask, nq, nk)
-    if not ((mask is None or causal) and dropout_p == 0.0 and nq > 0):
-        return super(FireMultiHeadAttention, self).attention_fast(query, key, value, mask)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [batch, heads, seq, d_k]
-    x = fire_attention(q, k, v, self.positions, self.scale, causal)
-    x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
-    return x.permute(2, 0, 1, 3)
+    if position_ids is None and self.row_start is None:
+        if _use_flex(query, dropout_p):           # CUDA: the formula inside FlexAttention's kernel (chapter 3b)
+            return _flex_heads(query, key, value, self.score_mod(nq, nk), self.scale, mask)
+        causal = is_causal_mask(mask, nq, nk)
+        if (mask is None or causal) and dropout_p == 0.0 and nq > 0:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [batch, heads, seq, d_k]
+            x = fire_attention(q, k, v, self.positions, self.scale, causal)
+            x = x + q.sum(-1, keepdim=True) * 0   # a NaN/Inf in a query row shows up, as in `sdpa`
+            return x.permute(2, 0, 1, 3)
+    # position ids, per-row starts, any other mask, dropout: the bias a block of query rows at a time (chapter 3b)
+    p = self.key_positions(nk, position_ids)
+    rows = lambda i0, i1, k0, k1, *params: self.positions.bias_rows(p, nq, i0, i1, k0, k1, *params)
+    return _rows_heads(query, key, value, mask, rows, self.positions.bias_params(), self.scale, dropout_p)
+
+@patch
+def bias_params(self:FireBias) -> tuple:
+    "`mlp_params()`: what `bias_rows` is made of."
+    return self.mlp_params()
+
+@patch
+def bias_rows(self:FireBias,
+              position_ids:torch.Tensor, # int64 `[batch or 1, seq_k]`: the keys' positions (checked)
+              seq_len_q:int,             # queries: the last seq_len_q keys
+              i0:int, i1:int,            # the query rows wanted
+              k0:int=0, k1:Optional[int]=None, # the keys wanted (None: to the last)
+              *params) -> torch.Tensor:  # `[batch or 1, heads, i1 - i0, k1 - k0]`
+    "Rows `i0:i1`, columns `k0:k1` of `from_positions(position_ids, seq_len_q)`: the MLP on those rows' pairs only."
+    c, L_multiplier, init_L, w1, b1, w2, b2 = params or self.bias_params()
+    p = (position_ids if position_ids.dim() == 2 else position_ids[None]).to(w1.dtype)
+    q0 = p.shape[1] - seq_len_q                                                  # query i is key q0 + i
+    x = fire_normalized_distance(p[:, q0 + i0:q0 + i1], p[:, k0:k1], c, torch.abs(L_multiplier * init_L), self.eps)
+    return F.linear(torch.relu(torch.addcmul(b1, x[..., None], w1)), w2, b2).permute(0, 3, 1, 2)
 
 # %% ../nbs/08b_fire.ipynb #fa1f8c0b
 def fire_segments(w1:torch.Tensor, # `[width]`: the first layer's weights (one input)

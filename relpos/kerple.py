@@ -11,8 +11,7 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from .mha import MultiHeadAttention, is_causal_mask, expand_kv, check_position_ids, functorch_active
-from .fourier import sdpa_bias
-from .bias import toeplitz, toeplitz_score_mod, _toeplitz_heads, _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length
+from .bias import toeplitz, toeplitz_score_mod, _toeplitz_heads, _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length, _rows_heads
 
 # %% ../nbs/08c_kerple.ipynb #kerple07
 KERPLE_KERNELS = ('log', 'power')
@@ -157,10 +156,10 @@ def distance_table(self:KerpleMultiHeadAttention, seq_len_q:int, seq_len_k:int) 
 # %% ../nbs/08c_kerple.ipynb #kerple47
 @patch
 def attention_fast(self:KerpleMultiHeadAttention, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
-    "No mask or the causal one: `toeplitz_attention` on the distance table (CUDA: FlexAttention reading it); other masks or position ids: the bias built, then `sdpa_bias`."
+    "No mask or the causal one: `toeplitz_attention` on the distance table (CUDA: FlexAttention reading it); other masks or position ids: `relpos.bias.bias_rows_attention`, the bias a block of query rows at a time."
     nq, nk = query.shape[0], key.shape[0]
     _check_key_length(nq, nk)
-    # grouped-query heads: the Toeplitz kernel and `sdpa_bias`'s backward read one key/value row per query head
+    # grouped-query heads: the Toeplitz kernel and the blocks of rows read one key/value row per query head
     key, value = expand_kv(key, self.heads), expand_kv(value, self.heads)
     dropout_p = self.dropout.p if self.training else 0.0
     if position_ids is None:
@@ -168,16 +167,30 @@ def attention_fast(self:KerpleMultiHeadAttention, query, key, value, mask, posit
         if _use_flex(query, dropout_p): return _flex_heads(query, key, value, toeplitz_score_mod(table, nq), self.scale, mask)
         causal = is_causal_mask(mask, nq, nk)
         if mask is None or causal: return _toeplitz_heads(query, key, value, table, self.scale, causal, dropout_p)
-        bias = toeplitz(table, nq, nk)[None]
-    else: bias = self.positions.from_positions(position_ids, nq)     # ids: not constant along diagonals
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
-    if mask is None: mask = torch.ones(1, nk, 1, 1, dtype=torch.bool, device=q.device)
-    m = mask[..., 0].permute(2, 0, 1).unsqueeze(1)                   # [b|1, 1, sq|1, sk], True = may attend
-    row_ok = m.any(dim=-1, keepdim=True)                             # fully masked rows: attend to all, zeroed below
-    bias = bias.to(q.dtype).masked_fill(~(m | ~row_ok), float('-inf'))
-    x = sdpa_bias(q, k, v, bias, self.scale, dropout_p) * row_ok
-    x = x + q.sum(-1, keepdim=True) * 0      # a NaN/Inf in a query row shows up, as in the base class's `sdpa`
-    return x.permute(2, 0, 1, 3)
+    # ids: not constant along diagonals; a padding mask: per batch element. The bias a block of query rows at a time
+    p = torch.arange(nk, device=query.device)[None] if position_ids is None else position_ids
+    rows = lambda i0, i1, k0, k1, *params: self.positions.bias_rows(p, nq, i0, i1, k0, k1, *params)
+    return _rows_heads(query, key, value, mask, rows, self.positions.bias_params(), self.scale, dropout_p)
+
+@patch
+def bias_params(self:KerpleBias) -> tuple:
+    "`(r1, r2)` (`r1_r2`): what `bias_rows` is made of, differentiable in the raw parameters."
+    return self.r1_r2()
+
+@patch
+def bias_rows(self:KerpleBias,
+              position_ids:torch.Tensor, # int64 `[batch or 1, seq_k]`: the keys' positions (checked)
+              seq_len_q:int,             # queries: the last seq_len_q keys
+              i0:int, i1:int,            # the query rows wanted
+              k0:int=0, k1:Optional[int]=None, # the keys wanted (None: to the last)
+              *params) -> torch.Tensor:  # `[batch or 1, heads, i1 - i0, k1 - k0]`
+    "Rows `i0:i1`, columns `k0:k1` of `from_positions(position_ids, seq_len_q)`: the kernel at those rows' distances $p_j - p_i$ only."
+    r1, r2 = params or self.bias_params()
+    p = position_ids if position_ids.dim() == 2 else position_ids[None]
+    q0 = p.shape[1] - seq_len_q                                              # query i is key q0 + i
+    r = (p[:, None, k0:k1] - p[:, q0 + i0:q0 + i1, None]).to(r1.dtype)[:, None]  # [b|1, 1, rows, keys]
+    kernel = kerple_log if self.kernel == 'log' else kerple_power
+    return kernel(r, r1.view(1, -1, 1, 1), r2.view(1, -1, 1, 1))
 
 # %% ../nbs/08c_kerple.ipynb #kerple53
 @patch

@@ -12,11 +12,11 @@ from typing import Optional
 import torch
 from torch import nn
 from .mha import MultiHeadAttention, is_causal_mask, expand_kv, check_position_ids
-from .fourier import sdpa_bias
 from .bias import toeplitz, toeplitz_attention, _toeplitz_heads, _toeplitz_attention_reference
 _all_ = ['toeplitz', 'toeplitz_attention']   # chapter 3b's Toeplitz kernel, importable from relpos.t5 too
 from fastcore.basics import patch
-from .bias import toeplitz_score_mod, _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length
+from .bias import toeplitz_score_mod, _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length, _rows_heads
+import torch.nn.functional as F
 
 # %% ../nbs/08_t5.ipynb #t50008
 def relative_position_bucket(relative_position:torch.Tensor, # integer tensor of distances, key position - query position
@@ -166,10 +166,10 @@ def fast(self:T5RelativeBias, seq_len_q:int, seq_len_k:int, offset:Optional[int]
 # %% ../nbs/08_t5.ipynb #t50043
 @patch
 def attention_fast(self:T5MultiHeadAttention, query, key, value, mask, position_ids:Optional[torch.Tensor]=None):
-    "`toeplitz_attention` without a mask or with the causal one; any other mask, or position ids: the bias built (and masked), then `sdpa_bias`."
+    "`toeplitz_attention` without a mask or with the causal one (CUDA: FlexAttention); position ids or any other mask: `relpos.bias.bias_rows_attention`, the bias a block of query rows at a time."
     nq, nk = query.shape[0], key.shape[0]
     if nk < nq: self.position_bias(nq, nk)  # raises
-    # grouped-query heads: the Toeplitz kernel and `sdpa_bias`'s backward read one key/value row per query head,
+    # grouped-query heads: the Toeplitz kernel and the blocks of rows read one key/value row per query head,
     # so the key/value heads are repeated here (the Toeplitz kernel reverses the keys, a copy, either way)
     key, value = expand_kv(key, self.heads), expand_kv(value, self.heads)
     dropout_p = self.dropout.p if self.training else 0.0
@@ -180,18 +180,31 @@ def attention_fast(self:T5MultiHeadAttention, query, key, value, mask, position_
         causal = is_causal_mask(mask, nq, nk)
         if mask is None or causal:
             return _toeplitz_heads(query, key, value, distance_bias, self.scale, causal, dropout_p)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [batch, heads, seq, d_k]
-    # distances from position ids are not constant along diagonals: the bias is built, one lookup per pair
-    bias = (toeplitz(distance_bias, nq, nk)[None].to(q.dtype) if position_ids is None
-            else self.positions.from_positions(position_ids, nq).to(q.dtype))
-    if mask is None: mask = torch.ones(1, nk, 1, 1, dtype=torch.bool, device=q.device)
-    m = mask[..., 0].permute(2, 0, 1).unsqueeze(1)   # [b|1, 1, sq|1, sk], True = may attend
-    row_ok = m.any(dim=-1, keepdim=True)             # fully masked rows: attend to all, zeroed below
-    bias = bias.masked_fill(~(m | ~row_ok), float('-inf'))
-    x = sdpa_bias(q, k, v, bias, self.scale, dropout_p) * row_ok
-    # the fused CPU kernel can turn a NaN/Inf query row into 0; put the NaN back (as the base class does)
-    x = x + q.sum(-1, keepdim=True) * 0
-    return x.permute(2, 0, 1, 3)
+    # distances from position ids are not constant along diagonals, a padding mask differs per batch element:
+    # the bias is built a block of query rows at a time, one lookup per pair of the block
+    p = torch.arange(nk, device=query.device)[None] if position_ids is None else position_ids
+    rows = lambda i0, i1, k0, k1, *params: self.positions.bias_rows(p, nq, i0, i1, k0, k1, *params)
+    return _rows_heads(query, key, value, mask, rows, self.positions.bias_params(), self.scale, dropout_p)
+
+# %% ../nbs/08_t5.ipynb #c4598745
+@patch
+def bias_params(self:T5RelativeBias) -> tuple:
+    "`(table,)`: the `[num_buckets, heads]` weight `bias_rows` reads."
+    return (self.relative_attention_bias.weight,)
+
+@patch
+def bias_rows(self:T5RelativeBias,
+              position_ids:torch.Tensor, # int64 `[batch or 1, seq_k]`: the keys' positions (checked)
+              seq_len_q:int,             # queries: the last seq_len_q keys
+              i0:int, i1:int,            # the query rows wanted
+              k0:int=0, k1:Optional[int]=None, # the keys wanted (None: to the last)
+              *params) -> torch.Tensor:  # `[batch or 1, heads, i1 - i0, k1 - k0]`
+    "Rows `i0:i1`, columns `k0:k1` of `from_positions(position_ids, seq_len_q)`: the buckets and lookups of those rows only."
+    table, = params or self.bias_params()
+    p = position_ids if position_ids.dim() == 2 else position_ids[None]
+    q0 = p.shape[1] - seq_len_q                                          # query i is key q0 + i
+    buckets = self.bucket(p[:, None, k0:k1] - p[:, q0 + i0:q0 + i1, None])   # [b|1, rows, keys]
+    return F.embedding(buckets, table).permute(0, 3, 1, 2)
 
 # %% ../nbs/08_t5.ipynb #t50053
 @patch
