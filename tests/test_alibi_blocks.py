@@ -113,12 +113,15 @@ class StorageSizes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("bidirectional, kv_heads", [(False, None), (True, None), (False, 2)])
-def test_no_tensor_of_the_whole_bias(bidirectional, kv_heads):
-    "n = 1024, float32, 4 heads, batch 2: neither forward nor backward makes a tensor of heads * n * n elements."
+@pytest.mark.parametrize("bidirectional, kv_heads, dtype, dropout", [
+    (False, None, torch.float32, 0.0), (True, None, torch.float32, 0.0), (False, 2, torch.float32, 0.0),
+    (False, None, torch.bfloat16, 0.0), (True, None, torch.float32, 0.1)])   # the last two: blocks of rows
+def test_no_tensor_of_the_whole_bias(bidirectional, kv_heads, dtype, dropout):
+    "n = 1024, 4 heads, batch 2: neither forward nor backward makes a tensor of heads * n * n elements."
     n, heads = 1024, 4
-    m = layer(heads, 64, kv_heads=kv_heads, bidirectional=bidirectional, dtype=torch.float32)
-    x = torch.randn(n, 2, 64, requires_grad=True)
+    m = layer(heads, 64, kv_heads=kv_heads, bidirectional=bidirectional, dtype=dtype)
+    if dropout: m.dropout.p = dropout; m.train()
+    x = torch.randn(n, 2, 64, dtype=dtype, requires_grad=True)
     threads = torch.get_num_threads(); torch.set_num_threads(1)     # the kernels' workers run in this thread
     try:
         with blocked(2**16, block_scores=2**14):
