@@ -371,12 +371,15 @@ class RetrievalResults:
             names = lambda w: ', '.join(f'`{l}`' for l in v if v[l][0] == w) or '–'
             if not v:
                 two = any(len(self.seed_accuracy(l, task, L)) >= 2 for l in self.labels)
-                rows.append(f"| {L} ({L // self.seq}×) | {f'none above chance + {RETRIEVAL_MARGIN:g}' if two else 'no label with 2 seeds there yet'} | – | – | – |")
+                rows.append(f"| {L} ({L // self.seq}×) | {f'none above chance + {RETRIEVAL_MARGIN:g}' if two else 'no label with 2 seeds there yet'} | – | – | – | – |")
                 continue
             best = next(l for l in v if v[l][0] == 'best')
+            one = [l for l in v if len(self.seed_accuracy(l, task, L)) < 2 and v[l][0] != 'refused']
+            for l in one: v[l] = ('one seed',) + v[l][1:]
             rows.append(f"| {L} ({L // self.seq}×) | `{best}` {statistics.mean(self.seed_accuracy(best, task, L).values()):.2f} | "
-                        f"{names('as good')} | {names('not known')} | {sum(v[l][0] == 'worse' for l in v)} |")
-        return ('| length | best (mean accuracy) | as good | not known | worse (labels) |\n|---|---|---|---|---|\n'
+                        f"{names('as good')} | {names('not known')} | {sum(v[l][0] == 'worse' for l in v)} | {len(one)} |")
+        return ('| length | best (mean accuracy) | as good | not known | worse (labels) | one seed, not judged (labels) |\n'
+                '|---|---|---|---|---|---|\n'
                 + '\n'.join(rows) + '\n\n' + RETRIEVAL_RULE.format(chance=CHANCE[task]))
 
 RETRIEVAL_MARGIN = 0.1   # accuracy: 4 of the 40 prompts a seed reads per task and length
