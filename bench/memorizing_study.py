@@ -406,6 +406,16 @@ def judge(d:list):
          'no difference' if -MARGIN <= m - half and m + half <= MARGIN else 'not known')
     return v, m, half, len(d)
 
+def _places(m:float, half:float, verdict:str) -> int:
+    """Decimals to print `m ± half` with: 3, or more (up to 6) where 3 would print a half-width of 0.000 or an interval
+    that touches 0 although its verdict says it lies on one side (+0.018 ± 0.018 for an interval above 0); an exact 0 stays
+    0.000."""
+    if math.isnan(half): return 3
+    for d in range(3, 7):
+        lo, hi, h = round(m - half, d), round(m + half, d), round(half, d)
+        if (h > 0 or half == 0) and not (verdict == 'worse' and lo <= 0) and not (verdict == 'better' and hi >= 0): return d
+    return 6
+
 class MemStudyResults:
     "The stored runs with the summaries the chapter prints: bits per byte by setting and by offset, costs, verdicts."
     def __init__(self, runs:list, phase:Optional[str]=None):   # phase: only that budget's runs (None: every run given)
@@ -541,7 +551,7 @@ class MemStudyResults:
         if label not in self.labels or base not in self.labels: return f'`{label}` against `{base}`: not run yet'
         v, m, half, n = judge(self._diffs(label, base, lo, hi, early))
         paired = self.interval(label, base, lo, hi, early)[3]
-        num = f"{m:+.3f}" + ('' if math.isnan(half) else f" ± {half:.3f}")
+        num = f"{m:+.{_places(m, half, v)}f}" + ('' if math.isnan(half) else f" ± {half:.{_places(m, half, v)}f}")
         if short: return f"{num}, {v}"
         return (f"`{label}` − `{base}`: {num} bits per byte ({n} {'paired ' if paired else ''}seed{'s' * (n != 1)}), {v}")
 

@@ -272,7 +272,7 @@ from torch.utils.checkpoint import checkpoint
 from .mha import expand_kv, block_key_ranges
 
 _flash_cpu_backward = getattr(torch.ops.aten, '_scaled_dot_product_flash_attention_for_cpu_backward', None)
-BIAS_BLOCK_SCORES = 2**16   # scores per head in a block of `bias_rows_attention` (all batch elements at once); tests shrink it
+BIAS_BLOCK_SCORES = 2**16   # scores per head and batch element in a block of `bias_rows_attention` (B times this per head); tests shrink it
 
 def _block_bias(mask, rows_bias, block, dtype, *params):
     "`(bias, row_ok)` of a block `(i0, i1, k0, k1)`: `rows_bias(i0, i1, k0, k1, *params)` in `dtype`, -inf where the mask hides a key; `row_ok` False for a row that sees nothing (its bias left whole)."

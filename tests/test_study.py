@@ -377,10 +377,10 @@ def test_retrieval_verdicts_follow_the_stated_rule():
                                                 'one': 'not known', 'ref': 'refused'}
     assert v['close'][1] == pytest.approx(-0.05 / 3) and v['close'][2] < 0.1 and v['low'][1:] == (pytest.approx(-0.5), pytest.approx(0.0), 3)
     table = R.verdict_table('passkey')
-    assert '| 4 (1×) | `best` 0.75 | `close` | `wide` | 1 | 1 |' in table and RT.RETRIEVAL_RULE.format(chance=0.0) in table
+    assert '| 4 (1×) | `best` 0.75 | `close` | `wide` | 1 | 1: `one` 0.95 |' in table and RT.RETRIEVAL_RULE.format(chance=0.0) in table
     # nothing above chance + margin: nothing ranked (associative recall's chance is 0.1)
     flat = RT.RetrievalResults(_retrieval_runs({'a': {0: 0.15, 1: 0.2}, 'b': {0: 0.1, 1: 0.1}}, task='mqar'))
-    assert flat.judge('mqar', 4) == {} and 'none above chance + 0.1' in flat.verdict_table('mqar')
+    assert flat.judge('mqar', 4) == {} and 'no label of 2+ seeds above chance + 0.1' in flat.verdict_table('mqar')
     one = RT.RetrievalResults(_retrieval_runs({'a': {0: 0.9}, 'b': {0: 0.1}}))
     assert one.judge('passkey', 4) == {} and 'no label with 2 seeds there yet' in one.verdict_table('passkey')
 
