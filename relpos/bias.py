@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['BIAS_BLOCK_SCORES', 'toeplitz', 'toeplitz_attention', 'flex_available', 'toeplitz_score_mod', 'flex_mask_mod',
-           'flex_bias_attention', 'bias_rows_attention']
+           'flex_bias_attention', 'bias_rows_attention', 'row_positions']
 
 # %% ../nbs/03b_bias.ipynb #bias0002
 from typing import Optional
@@ -392,6 +392,16 @@ def bias_rows_attention(q:torch.Tensor,  # `[batch, heads, n_q, d_k]`: the last 
         block = lambda q, *a: checkpoint(_rows_block, q, *a, use_reentrant=False)
     else: block = _rows_block
     return torch.cat([block(q[:, :, b[0]:b[1]], k, v, mask, rows_bias, b, scale, dropout_p, False, *params) for b in blocks], 2)
+
+def row_positions(position_ids:torch.Tensor, # int64 `[batch or 1, seq_k]` (or `[seq_k]`): the keys' positions
+                  seq_len_q:int,             # queries: the last seq_len_q keys
+                  i0:int, i1:int,            # the query rows wanted
+                  k0:int=0, k1:Optional[int]=None, # the keys wanted (None: to the last)
+                 ) -> tuple:                 # `(p_q [batch or 1, i1 - i0], p_k [batch or 1, k1 - k0])`
+    "The positions a block's bias reads, for every method's `bias_rows`: query rows i0:i1 (query i is key `seq_k - seq_len_q + i`) and keys k0:k1."
+    p = position_ids if position_ids.dim() == 2 else position_ids[None]
+    q0 = p.shape[1] - seq_len_q
+    return p[:, q0 + i0:q0 + i1], p[:, k0:k1]
 
 def _rows_heads(query, key, value, mask, rows_bias, params, scale, dropout_p=0.0):
     "`bias_rows_attention` on a layer's heads in labml layout: `[seq, batch, heads, d_k]` in and out, the prepared mask `[seq_q|1, seq_k, batch|1, 1]`."
