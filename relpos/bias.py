@@ -145,7 +145,7 @@ def toeplitz_attention(q:torch.Tensor,             # `[batch, heads, seq_q, d_k]
                        causal:bool=False,          # mask keys after their query (query i at position i + seq_k - seq_q)
                        dropout_p:float=0.0,        # dropout on the attention weights
                       ) -> torch.Tensor:           # `[batch, heads, seq_q, d_v]`
-    "`softmax(q k^T * scale + toeplitz(distance_bias)) v`, with gradients to `distance_bias`; the CPU kernel (float32/float64, eager, no dropout) never builds the `[seq_q, seq_k]` bias."
+    "`softmax(q k^T * scale + toeplitz(distance_bias)) v`, with gradients to `distance_bias`; the CPU kernel (float32/float64, eager, no dropout) never builds the `[seq_q, seq_k]` bias; elsewhere it is built a block of query rows at a time."
     nq, nk = q.shape[-2], k.shape[-2]
     if tuple(distance_bias.shape) != (q.shape[1], max(0, nq + nk - 1)):
         raise ValueError(f"distance_bias must have shape [heads, seq_q + seq_k - 1] = [{q.shape[1]}, {max(0, nq + nk - 1)}], "
@@ -155,9 +155,14 @@ def toeplitz_attention(q:torch.Tensor,             # `[batch, heads, seq_q, d_k]
             and not torch.compiler.is_compiling() and not functorch_active()):
         # the scores' dtype (autograd returns the gradient in the table's)
         return _ToeplitzBiasAttention.apply(q, k, v, distance_bias.to(q.dtype), scale, causal)
-    # Elsewhere the bias is built: CUDA's fused kernels differentiate it themselves; CPU takes SDPA's math path.
+    # Elsewhere (dropout, bfloat16, torch.compile, a GPU without FlexAttention) the bias is built, by blocks of rows
+    # beyond one block: CUDA's fused kernels differentiate each block themselves; the CPU takes SDPA's math path.
     if causal: distance_bias = distance_bias.masked_fill(_future(distance_bias, nk), float('-inf'))
     if nq == 0 or nk == 0: return _toeplitz_attention_reference(q, k, v, distance_bias.to(q.dtype), scale, False)
+    if nq * nk > BIAS_BLOCK_SCORES:   # more than a block: the bias a block of query rows at a time (`bias_rows_attention`)
+        # rows i0:i1 and keys k0:k1 read the diagonals k0 - i1 + 1 .. k1 - 1 - i0 (table column: distance + seq_q - 1)
+        rows = lambda i0, i1, k0, k1, table: toeplitz(table[:, k0 - i1 + nq:k1 - i0 + nq - 1], i1 - i0, k1 - k0)[None]
+        return bias_rows_attention(q, k, v, rows, (distance_bias,), scale, None, dropout_p)
     # cast after the Toeplitz view: its backward sums the gradient along each diagonal (up to n terms) in the table's
     # dtype, float32 for a bfloat16 layer (`_toeplitz_heads`), not in bfloat16
     bias = toeplitz(distance_bias, nq, nk)[None].to(q.dtype)
