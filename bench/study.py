@@ -882,11 +882,13 @@ class StudyResults:
             ranked = self.ranking('sliding', L, 'long')
             good = [l for l in ranked if j.get(l, ('',))[0] in ('best', 'as good')]
             open_ = [l for l in ranked if j.get(l, ('',))[0] == 'not known']
-            k = len(self.runs(good[0], 'long'))
+            ks = sorted({len(self.runs(l, 'long')) for l in j})
             rows.append(('(after 4× the steps)', names(good),
                          '; '.join(f"`{l}` {b(l, L, 'sliding', 'long')}" for l in good + open_) + f' at {L} (b), among '
-                         f"{len(j)} labels of the long phase, {k} seeds"
-                         + (f"; with {k} seeds the rule tells neither *as good* nor *worse* for {names(open_)}" if open_ else '')))
+                         f"{len(j)} labels of the long phase, {'–'.join(map(str, (ks[0], ks[-1])[:len(set(ks))]))} "
+                         f"seed{'s' * (ks[-1] != 1)} each"
+                         + (f"; the rule tells neither *as good* nor *worse* (one seed, or an interval too wide) for {names(open_)}"
+                            if open_ else '')))
         n = sorted({len(self.runs(l)) for l in self.labels})
         seeds = f"{n[0]} seed{'s' * (n[0] != 1)}" if len(n) == 1 else f"{n[0]}–{n[-1]} seeds"
         # the rows of the long phase have fewer seeds than the main phase's: the header says what each mean is over

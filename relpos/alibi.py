@@ -13,7 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 from .mha import MultiHeadAttention, functorch_active, guard_double_backward, is_causal_mask, and_causal, check_position_ids, expand_kv
 from fastcore.basics import patch
-from .bias import toeplitz_score_mod, _use_flex, _flex_heads, _rows_heads, _toeplitz_heads, _check_key_length
+from .bias import toeplitz_score_mod, _use_flex, _flex_heads, _rows_heads, _toeplitz_heads, _check_key_length, row_positions
 
 # %% ../nbs/07_alibi.ipynb #743a8d1c
 def _check_heads(heads) -> int:
@@ -168,9 +168,8 @@ def bias_rows(self:ALiBiMultiHeadAttention,
               *params) -> torch.Tensor:  # `[batch or 1, heads, i1 - i0, k1 - k0]`
     "Rows `i0:i1`, columns `k0:k1` of `position_bias(seq_len_q, seq_k, position_ids)`, without the others: $m_h (p_j - p_i)$ or $-m_h |p_j - p_i|$."
     slopes, = params or self.bias_params()
-    p = position_ids if position_ids.dim() == 2 else position_ids[None]
-    q0 = p.shape[1] - seq_len_q                                         # query i is key q0 + i
-    r = (p[:, None, k0:k1] - p[:, q0 + i0:q0 + i1, None]).to(slopes.dtype)  # [b|1, rows, keys]
+    pq, pk = row_positions(position_ids, seq_len_q, i0, i1, k0, k1)
+    r = (pk[:, None] - pq[..., None]).to(slopes.dtype)                  # r = p_j - p_i, [b|1, rows, keys]
     if self.bidirectional: r = -r.abs()
     return slopes[None, :, None, None] * r[:, None]
 

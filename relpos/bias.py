@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['BIAS_BLOCK_SCORES', 'toeplitz', 'toeplitz_attention', 'flex_available', 'toeplitz_score_mod', 'flex_mask_mod',
-           'flex_bias_attention', 'bias_rows_attention']
+           'flex_bias_attention', 'bias_rows_attention', 'row_positions']
 
 # %% ../nbs/03b_bias.ipynb #bias0002
 from typing import Optional
@@ -145,7 +145,7 @@ def toeplitz_attention(q:torch.Tensor,             # `[batch, heads, seq_q, d_k]
                        causal:bool=False,          # mask keys after their query (query i at position i + seq_k - seq_q)
                        dropout_p:float=0.0,        # dropout on the attention weights
                       ) -> torch.Tensor:           # `[batch, heads, seq_q, d_v]`
-    "`softmax(q k^T * scale + toeplitz(distance_bias)) v`, with gradients to `distance_bias`; the CPU kernel (float32/float64, eager, no dropout) never builds the `[seq_q, seq_k]` bias."
+    "`softmax(q k^T * scale + toeplitz(distance_bias)) v`, with gradients to `distance_bias`; the CPU kernel (float32/float64, eager, no dropout) never builds the `[seq_q, seq_k]` bias; elsewhere it is built a block of query rows at a time."
     nq, nk = q.shape[-2], k.shape[-2]
     if tuple(distance_bias.shape) != (q.shape[1], max(0, nq + nk - 1)):
         raise ValueError(f"distance_bias must have shape [heads, seq_q + seq_k - 1] = [{q.shape[1]}, {max(0, nq + nk - 1)}], "
@@ -155,9 +155,14 @@ def toeplitz_attention(q:torch.Tensor,             # `[batch, heads, seq_q, d_k]
             and not torch.compiler.is_compiling() and not functorch_active()):
         # the scores' dtype (autograd returns the gradient in the table's)
         return _ToeplitzBiasAttention.apply(q, k, v, distance_bias.to(q.dtype), scale, causal)
-    # Elsewhere the bias is built: CUDA's fused kernels differentiate it themselves; CPU takes SDPA's math path.
+    # Elsewhere (dropout, bfloat16, torch.compile, a GPU without FlexAttention) the bias is built, by blocks of rows
+    # beyond one block: CUDA's fused kernels differentiate each block themselves; the CPU takes SDPA's math path.
     if causal: distance_bias = distance_bias.masked_fill(_future(distance_bias, nk), float('-inf'))
     if nq == 0 or nk == 0: return _toeplitz_attention_reference(q, k, v, distance_bias.to(q.dtype), scale, False)
+    if nq * nk > BIAS_BLOCK_SCORES:   # more than a block: the bias a block of query rows at a time (`bias_rows_attention`)
+        # rows i0:i1 and keys k0:k1 read the diagonals k0 - i1 + 1 .. k1 - 1 - i0 (table column: distance + seq_q - 1)
+        rows = lambda i0, i1, k0, k1, table: toeplitz(table[:, k0 - i1 + nq:k1 - i0 + nq - 1], i1 - i0, k1 - k0)[None]
+        return bias_rows_attention(q, k, v, rows, (distance_bias,), scale, None, dropout_p)
     # cast after the Toeplitz view: its backward sums the gradient along each diagonal (up to n terms) in the table's
     # dtype, float32 for a bfloat16 layer (`_toeplitz_heads`), not in bfloat16
     bias = toeplitz(distance_bias, nq, nk)[None].to(q.dtype)
@@ -392,6 +397,16 @@ def bias_rows_attention(q:torch.Tensor,  # `[batch, heads, n_q, d_k]`: the last 
         block = lambda q, *a: checkpoint(_rows_block, q, *a, use_reentrant=False)
     else: block = _rows_block
     return torch.cat([block(q[:, :, b[0]:b[1]], k, v, mask, rows_bias, b, scale, dropout_p, False, *params) for b in blocks], 2)
+
+def row_positions(position_ids:torch.Tensor, # int64 `[batch or 1, seq_k]` (or `[seq_k]`): the keys' positions
+                  seq_len_q:int,             # queries: the last seq_len_q keys
+                  i0:int, i1:int,            # the query rows wanted
+                  k0:int=0, k1:Optional[int]=None, # the keys wanted (None: to the last)
+                 ) -> tuple:                 # `(p_q [batch or 1, i1 - i0], p_k [batch or 1, k1 - k0])`
+    "The positions a block's bias reads, for every method's `bias_rows`: query rows i0:i1 (query i is key `seq_k - seq_len_q + i`) and keys k0:k1."
+    p = position_ids if position_ids.dim() == 2 else position_ids[None]
+    q0 = p.shape[1] - seq_len_q
+    return p[:, q0 + i0:q0 + i1], p[:, k0:k1]
 
 def _rows_heads(query, key, value, mask, rows_bias, params, scale, dropout_p=0.0):
     "`bias_rows_attention` on a layer's heads in labml layout: `[seq, batch, heads, d_k]` in and out, the prepared mask `[seq_q|1, seq_k, batch|1, 1]`."

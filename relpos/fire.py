@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .mha import (MultiHeadAttention, functorch_active, differentiable_backward, is_causal_mask, head_workers,
                         run_head_groups, check_position_ids)
-from .bias import _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length, _rows_heads
+from .bias import _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length, _rows_heads, row_positions
 
 # %% ../nbs/08b_fire.ipynb #e7cd9dc8
 def fire_psi(x:torch.Tensor, c:torch.Tensor) -> torch.Tensor:
@@ -177,9 +177,8 @@ def bias_rows(self:FireBias,
               *params) -> torch.Tensor:  # `[batch or 1, heads, i1 - i0, k1 - k0]`
     "Rows `i0:i1`, columns `k0:k1` of `from_positions(position_ids, seq_len_q)`: the MLP on those rows' pairs only."
     c, L_multiplier, init_L, w1, b1, w2, b2 = params or self.bias_params()
-    p = (position_ids if position_ids.dim() == 2 else position_ids[None]).to(w1.dtype)
-    q0 = p.shape[1] - seq_len_q                                                  # query i is key q0 + i
-    x = fire_normalized_distance(p[:, q0 + i0:q0 + i1], p[:, k0:k1], c, torch.abs(L_multiplier * init_L), self.eps)
+    pq, pk = (t.to(w1.dtype) for t in row_positions(position_ids, seq_len_q, i0, i1, k0, k1))
+    x = fire_normalized_distance(pq, pk, c, torch.abs(L_multiplier * init_L), self.eps)
     return F.linear(torch.relu(torch.addcmul(b1, x[..., None], w1)), w2, b2).permute(0, 3, 1, 2)
 
 # %% ../nbs/08b_fire.ipynb #fa1f8c0b

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from .mha import MultiHeadAttention, is_causal_mask, expand_kv, check_position_ids, functorch_active
-from .bias import toeplitz, toeplitz_score_mod, _toeplitz_heads, _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length, _rows_heads
+from .bias import toeplitz, toeplitz_score_mod, _toeplitz_heads, _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length, _rows_heads, row_positions
 
 # %% ../nbs/08c_kerple.ipynb #kerple07
 KERPLE_KERNELS = ('log', 'power')
@@ -186,9 +186,8 @@ def bias_rows(self:KerpleBias,
               *params) -> torch.Tensor:  # `[batch or 1, heads, i1 - i0, k1 - k0]`
     "Rows `i0:i1`, columns `k0:k1` of `from_positions(position_ids, seq_len_q)`: the kernel at those rows' distances $p_j - p_i$ only."
     r1, r2 = params or self.bias_params()
-    p = position_ids if position_ids.dim() == 2 else position_ids[None]
-    q0 = p.shape[1] - seq_len_q                                              # query i is key q0 + i
-    r = (p[:, None, k0:k1] - p[:, q0 + i0:q0 + i1, None]).to(r1.dtype)[:, None]  # [b|1, 1, rows, keys]
+    pq, pk = row_positions(position_ids, seq_len_q, i0, i1, k0, k1)
+    r = (pk[:, None] - pq[..., None]).to(r1.dtype)[:, None]                 # r = p_j - p_i, [b|1, 1, rows, keys]
     kernel = kerple_log if self.kernel == 'log' else kerple_power
     return kernel(r, r1.view(1, -1, 1, 1), r2.view(1, -1, 1, 1))
 

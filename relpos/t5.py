@@ -15,7 +15,7 @@ from .mha import MultiHeadAttention, is_causal_mask, expand_kv, check_position_i
 from .bias import toeplitz, toeplitz_attention, _toeplitz_heads, _toeplitz_attention_reference
 _all_ = ['toeplitz', 'toeplitz_attention']   # chapter 3b's Toeplitz kernel, importable from relpos.t5 too
 from fastcore.basics import patch
-from .bias import toeplitz_score_mod, _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length, _rows_heads
+from .bias import toeplitz_score_mod, _use_flex, _flex_heads, _as_int, _query_offset, _check_key_length, _rows_heads, row_positions
 import torch.nn.functional as F
 
 # %% ../nbs/08_t5.ipynb #t50008
@@ -201,9 +201,8 @@ def bias_rows(self:T5RelativeBias,
               *params) -> torch.Tensor:  # `[batch or 1, heads, i1 - i0, k1 - k0]`
     "Rows `i0:i1`, columns `k0:k1` of `from_positions(position_ids, seq_len_q)`: the buckets and lookups of those rows only."
     table, = params or self.bias_params()
-    p = position_ids if position_ids.dim() == 2 else position_ids[None]
-    q0 = p.shape[1] - seq_len_q                                          # query i is key q0 + i
-    buckets = self.bucket(p[:, None, k0:k1] - p[:, q0 + i0:q0 + i1, None])   # [b|1, rows, keys]
+    pq, pk = row_positions(position_ids, seq_len_q, i0, i1, k0, k1)
+    buckets = self.bucket(pk[:, None] - pq[..., None])                   # of r = p_j - p_i, [b|1, rows, keys]
     return F.embedding(buckets, table).permute(0, 3, 1, 2)
 
 # %% ../nbs/08_t5.ipynb #t50053

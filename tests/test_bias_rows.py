@@ -274,3 +274,38 @@ def test_torch_compile():
         want = out_and_grad(lambda x: m(query=x, key=x, value=x, mask=mask, position_ids=ids, need_weights=True))
         got = out_and_grad(torch.compile(lambda x: m(query=x, key=x, value=x, mask=mask, position_ids=ids)))
     assert (got[0] - want[0]).abs().max() <= 1e-5 and (got[1] - want[1]).abs().max() <= 1e-4
+
+
+# ---------------------------------------------------------------- `toeplitz_attention` where its CPU kernel does not run
+@pytest.mark.parametrize('causal', [False, True])
+@pytest.mark.parametrize('nq, nk', [(37, 37), (23, 41)])
+def test_toeplitz_attention_without_its_kernel_goes_by_blocks(causal, nq, nk):
+    "No fused CPU kernel (as on a GPU without FlexAttention): blocks of rows, the readable path's values and gradients (float64)."
+    g = torch.Generator().manual_seed(nq + nk)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64, requires_grad=True) for n in (nq, nk, nk))
+    table = torch.randn(3, nq + nk - 1, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, nq, 8, generator=g, dtype=torch.float64)
+    want_out = bias_mod._toeplitz_attention_reference(q, k, v, table, 0.3, causal)
+    want = torch.autograd.grad((want_out * w).sum(), (q, k, v, table))
+    with mock.patch.object(bias_mod, '_flash_cpu', None), mock.patch.object(bias_mod, 'BIAS_BLOCK_SCORES', 4 * nk), \
+         mock.patch.object(bias_mod, 'bias_rows_attention', wraps=bias_mod.bias_rows_attention) as rows:
+        out = bias_mod.toeplitz_attention(q, k, v, table, 0.3, causal)
+        got = torch.autograd.grad((out * w).sum(), (q, k, v, table))
+    assert rows.called and (out - want_out).abs().max() < 1e-12
+    for a, b in zip(got, want): assert (a - b).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize('method', ['t5', 'kerple_log'])
+@pytest.mark.parametrize('dtype, dropout', [(torch.float32, 0.1), (torch.bfloat16, 0.0)])
+def test_toeplitz_methods_with_dropout_or_bfloat16_keep_memory_bounded(method, dtype, dropout):
+    "T5 and KERPLE, causal, where the Toeplitz CPU kernel does not run (dropout, bfloat16): no saved tensor of n_q x n_k elements per head."
+    n = 256
+    m = layer(method, heads=4, d_model=32).to(dtype)
+    if dropout: m.dropout.p = dropout; m.train()
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[..., None]
+    x = torch.randn(n, 2, 32, dtype=dtype, requires_grad=True)
+    with mock.patch.object(bias_mod, 'BIAS_BLOCK_SCORES', 16 * n):
+        out, sizes = saved_float_sizes(lambda: m(query=x, key=x, value=x, mask=mask))
+        out.float().sum().backward()
+    assert max(sizes) < n * n, f"autograd keeps a tensor of {max(sizes)} elements (n_q x n_k = {n * n})"
+    assert x.grad.isfinite().all()

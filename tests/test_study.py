@@ -217,7 +217,11 @@ def test_memory_that_does_not_beat_one_pass_is_not_recommended_and_the_long_phas
     # long phase at 1024 (b): yarn+ft 1.42 / 1.47, alibi 1.45 / 1.46: differences +0.03, -0.01; with 2 seeds the
     # interval (12.7 standard errors) holds 0 and reaches past the margin: not known
     assert ('| (after 4× the steps) | `rotary+yarn+ft` | `rotary+yarn+ft` 1.445; `alibi` 1.455 at 1024 (b), among 2 labels '
-            'of the long phase, 2 seeds; with 2 seeds the rule tells neither *as good* nor *worse* for `alibi` |') in t
+            'of the long phase, 2 seeds each; the rule tells neither *as good* nor *worse* (one seed, or an interval too wide) '
+            'for `alibi` |') in t
+    # a long-phase label with one seed stored: the row says 1–2 seeds, not 2
+    one = S.StudyResults([r for r in R.all if not (r['label'] == 'alibi' and r['phase'] == 'long' and r['seed'] == 1)])
+    assert 'among 2 labels of the long phase, 1–2 seeds each;' in one.which_to_use()
     # the header does not claim the main phase's seed count for the long phase's row
     assert 'mean over 3 seeds;' not in t and 'mean over the seeds stored, 3 seeds per label in the main phase' in t
 
