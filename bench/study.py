@@ -612,7 +612,14 @@ class StudyResults:
         for p in PHASES:
             have, miss = self.stored(p), self.missing(p)
             if not have and p != 'main': continue
-            s = f"{p}: {len(have)} runs stored" + (f" of {len(self.expected[p])}" if p in self.expected else '')
+            if p in self.expected:   # runs of labels an earlier plan trained are counted apart, by label
+                planned = set(self.expected[p]); extra = [k for k in have if k not in planned]
+                s = f"{p}: {len(have) - len(extra)} of the {len(planned)} planned runs stored"
+                if extra:
+                    ls = sorted({l for l, _ in extra})
+                    s += (f" (and {len(extra)} more of labels it no longer plans: "
+                          + ', '.join(f"`{l}` ({sum(x == l for x, _ in extra)})" for l in ls) + ')')
+            else: s = f"{p}: {len(have)} runs stored"
             by_seed = {}
             for l, k in miss: by_seed.setdefault(k, []).append(l)
             every = {l for l, _ in self.expected.get(p, [])}
@@ -887,7 +894,8 @@ class StudyResults:
                          '; '.join(f"`{l}` {b(l, L, 'sliding', 'long')}" for l in good + open_) + f' at {L} (b), among '
                          f"{len(j)} labels of the long phase, {'–'.join(map(str, (ks[0], ks[-1])[:len(set(ks))]))} "
                          f"seed{'s' * (ks[-1] != 1)} each"
-                         + (f"; the rule tells neither *as good* nor *worse* (one seed, or an interval too wide) for {names(open_)}"
+                         + (f"; the rule tells neither *as good* nor *worse* ("
+                            + ('one seed, or an interval too wide' if ks[0] < 2 else 'an interval too wide') + f") for {names(open_)}"
                             if open_ else '')))
         n = sorted({len(self.runs(l)) for l in self.labels})
         seeds = f"{n[0]} seed{'s' * (n[0] != 1)}" if len(n) == 1 else f"{n[0]}–{n[-1]} seeds"

@@ -112,6 +112,9 @@ def test_cli_stores_each_run_skips_stored_ones_and_loads_a_partial_store(tmp_pat
     (tmp_path / files[0]).unlink()                                    # a partial store loads and says what is missing
     R = StudyResults(S.load_results(tmp_path), {'main': [('alibi', 0), ('none', 0)]})
     assert R.labels == ['none'] and R.missing() == [('alibi', 0)] and 'missing: `alibi` (seed 0)' in R.coverage()
+    assert 'main: 1 of the 2 planned runs stored' in R.coverage()
+    R = StudyResults(S.load_results(tmp_path), {'main': [('alibi', 0)]})   # a run of a label the plan no longer lists
+    assert 'main: 0 of the 1 planned runs stored (and 1 more of labels it no longer plans: `none` (1))' in R.coverage()
     assert R.table().count('\n') == 2 and R.seq == 16
     assert R.table().endswith('| – |') and R.ratio_text('none') == '–'   # no timing phase: no step time (never the quality runs' own)
 
@@ -217,11 +220,12 @@ def test_memory_that_does_not_beat_one_pass_is_not_recommended_and_the_long_phas
     # long phase at 1024 (b): yarn+ft 1.42 / 1.47, alibi 1.45 / 1.46: differences +0.03, -0.01; with 2 seeds the
     # interval (12.7 standard errors) holds 0 and reaches past the margin: not known
     assert ('| (after 4× the steps) | `rotary+yarn+ft` | `rotary+yarn+ft` 1.445; `alibi` 1.455 at 1024 (b), among 2 labels '
-            'of the long phase, 2 seeds each; the rule tells neither *as good* nor *worse* (one seed, or an interval too wide) '
+            'of the long phase, 2 seeds each; the rule tells neither *as good* nor *worse* (an interval too wide) '
             'for `alibi` |') in t
     # a long-phase label with one seed stored: the row says 1–2 seeds, not 2
     one = S.StudyResults([r for r in R.all if not (r['label'] == 'alibi' and r['phase'] == 'long' and r['seed'] == 1)])
     assert 'among 2 labels of the long phase, 1–2 seeds each;' in one.which_to_use()
+    assert '(one seed, or an interval too wide)' in one.which_to_use()   # with 2 seeds everywhere: the interval alone
     # the header does not claim the main phase's seed count for the long phase's row
     assert 'mean over 3 seeds;' not in t and 'mean over the seeds stored, 3 seeds per label in the main phase' in t
 
