@@ -6,6 +6,7 @@ Transformer-XL cache?
     python -m bench.memorizing_study --phase long   # one budget only ('short': 300 steps, 'long': 1,200)
     python -m bench.memorizing_study --list     # the runs and which are stored
     python -m bench.memorizing_study --pilot    # a few steps of each setting: what a step costs
+    python -m bench.memorizing_study --device cuda   # the same runs on a GPU (each run file says where it ran)
 
 Corpus: the Python standard library's own source files of at least 16 KB, one document per file, split into
 training and validation by a hash of the file's path; the list of files with their sha256 is stored in
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.pool import run_pool, write_json
+from bench.study import _device, device_name
 from relpos.train import adamw, fit, learning_rate, lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,15 +159,18 @@ def evaluate(model, docs:list, seq:int, max_bytes:int, buckets=BUCKETS) -> dict:
     first segment); the summed negative log-likelihood in bits and the count of scored bytes, in total and per bucket
     of the target's byte offset in its document (offset of the target byte: 1, 2, ...)."""
     was = model.training; model.eval()
+    dev = next(model.parameters()).device   # the sums stay on the CPU, in float64
     x, y = eval_batch(docs, seq, max_bytes)
     rows, n_seg, _ = x.shape
     edges = torch.tensor(buckets[1:-1])
     nll = torch.zeros(len(buckets) - 1, dtype=torch.float64); cnt = torch.zeros(len(buckets) - 1, dtype=torch.long)
     memory = None
     for s in range(n_seg):
-        start = torch.full((rows,), s == 0)
-        logits, memory = model(x[:, s], memory, doc_start=start) if getattr(model, 'memorizing_layers', ()) or model.mem_len \
-            else model(x[:, s])
+        start = torch.full((rows,), s == 0, device=dev)
+        inp = x[:, s].to(dev)
+        logits, memory = model(inp, memory, doc_start=start) if getattr(model, 'memorizing_layers', ()) or model.mem_len \
+            else model(inp)
+        logits = logits.cpu()
         t = y[:, s]
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), t.reshape(-1), ignore_index=IGNORE,
                                reduction='none').view_as(t).double()
@@ -213,12 +218,13 @@ def pair_init(model, seed:int, seq:int, d_model:int, heads:int, n_layers:int, po
     return {'paired_with': 'none', 'tensors': n, 'params': numel, 'own': own}
 
 def _train(model, stream:DocStream, steps:int, lr:float, warmup:int, gate_loss:bool=False, stateful:bool=True,
-           eval_fn=None, eval_every:int=0):
+           eval_fn=None, eval_every:int=0, device=None):
     """`relpos.train.fit` on the documents of `stream`: the next-byte loss (padding not scored), plus the kNN gates'
     loss if `gate_loss`; `stateful` (XL or kNN memory): each row's memory carried from segment to segment and emptied
     where its document starts. Returns per-step losses (bits per byte), wall and CPU times, and the curve of `eval_fn`
     every `eval_every` steps (not after the last)."""
-    batches = (b if stateful else b[:2] for b in iter(stream.next, None))
+    dev = device or next(model.parameters()).device   # the batches go where the model is
+    batches = (tuple(t.to(dev) for t in (b if stateful else b[:2])) for b in iter(stream.next, None))
     loss_fn = lambda model, batch, memory: lm_loss(model, batch, memory, gate_loss=gate_loss)
     train_bits, times, cpu, curve = [], [], [], []
     for s in fit(model, adamw(model, lr), batches, steps, lr, warmup, clip=1.0, loss_fn=loss_fn):
@@ -231,11 +237,16 @@ def _train(model, stream:DocStream, steps:int, lr:float, warmup:int, gate_loss:b
 
 def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, heads:int, n_layers:int,
               position:str, lr:float, warmup:int, eval_docs:int, eval_bytes:int, eval_every:int=0, gate_loss:bool=False,
-              **setting) -> dict:
+              device:str='cpu', **setting) -> dict:
     """Train one setting from scratch on the training documents, then evaluate it on the validation documents.
     `gate_loss`: add the kNN gates' auxiliary loss (`get_loss_component()`, which pushes each gate toward the memory)
     to the training loss; without it the gates learn from the language-modelling loss alone, as in meliad and the paper.
-    Every parameter shared with the setting without memory starts as that setting's of the same seed (`pair_init`)."""
+    Every parameter shared with the setting without memory starts as that setting's of the same seed (`pair_init`).
+    `device`: where the model, its memories and the batches live ('cpu', 'cuda'); faiss searches on the CPU only."""
+    if setting.get('faiss') and torch.device(device).type != 'cpu':
+        raise ValueError(f"{label!r}: FaissKNNMemory (faiss-cpu) keeps its memory on the CPU; run this setting with "
+                         f"device='cpu' (--device cpu), device={device!r} was asked")
+    dev = _device(device)
     config = dict(steps=steps, batch=batch, seq=seq, d_model=d_model, heads=heads, n_layers=n_layers, position=position,
                   lr=lr, warmup=warmup, eval_docs=eval_docs, eval_bytes=eval_bytes, gate_loss=gate_loss)
     torch.set_num_threads(1)
@@ -243,6 +254,7 @@ def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, h
     torch.manual_seed(seed)
     model = build_model(seq, d_model, heads, n_layers, position, **setting)
     init = pair_init(model, seed, seq, d_model, heads, n_layers, position)
+    model.to(dev)   # after pairing: `pair_init` builds `none` on the CPU, where the seed's draws are the same
     stream = DocStream(corpus['train'], batch, seq, data_seed=0)   # the same bytes for every setting and seed
     val = corpus['val'][:eval_docs]
     stateful = bool(setting.get('knn_mult') or setting.get('mem_len'))
@@ -258,7 +270,8 @@ def train_run(label:str, seed:int, steps:int, batch:int, seq:int, d_model:int, h
                for a in model.memorizing if a.memory is not None]
     t0 = time.time()
     ev = evaluate(model, val, seq, eval_bytes)
-    return {'label': label, 'seed': seed, 'setting': setting, 'config': config, 'init': init, 'bpb': ev['bits'] / ev['bytes'], 'eval': ev,
+    return {'label': label, 'seed': seed, 'setting': setting, 'config': config, 'init': init, 'device': device_name(dev),
+            'bpb': ev['bits'] / ev['bytes'], 'eval': ev,
             'gate_local': gates, 'knn_memory': backend, 'curve': curve, 'train_bpb': [round(v, 4) for v in train_bits],
             # one thread: CPU time per step is the work, wall time adds the waits of a shared machine
             'step_time': statistics.median(times[20:] or times), 'step_times_mean': statistics.mean(times),
@@ -332,6 +345,12 @@ def _worker(kw:dict) -> dict:
 
 SEEDS = 4   # seeds per setting: with 2, the two `none` runs alone differed late in documents by more than most effects
 
+def _ratio(x:float) -> str: return '–' if math.isnan(x) else f'{x:.2f}×'   # a cost cell: '–' across devices
+
+def run_device(run:dict) -> str:
+    "Where a stored run trained; runs of the CPU-only harness before `--device` record none."
+    return run.get('device', 'cpu (1 thread)')
+
 def is_paired(run:dict) -> bool:
     "Whether a stored run started from the paired initialisation (`pair_init`); runs stored before it record no `init`."
     return 'init' in run
@@ -349,16 +368,19 @@ def main(argv=None):
     ap.add_argument('--pilot', type=int, default=0, help='time this many steps of every setting (nothing stored)')
     ap.add_argument('--out', default=None, help=f'directory of the stored runs (default {RESULTS.relative_to(ROOT)})')
     ap.add_argument('--manifest', action='store_true', help='(re)write nbs/data/memorizing_corpus.json from this Python')
+    ap.add_argument('--device', default='cpu', help="where the runs train: 'cpu' (default) or 'cuda'; stored in each run")
     a = ap.parse_args(argv)
+    try: _device(a.device)   # refused here, before any run, where it is not present
+    except (TypeError, ValueError) as e: sys.exit(str(e))
     if a.manifest or not MANIFEST.exists():
         MANIFEST.write_text(json.dumps(build_manifest(), indent=0)); print(f"wrote {MANIFEST}")
     diff = compare_manifests(stored_manifest(), build_manifest())
     if diff: sys.exit("the stored corpus is not this interpreter's: " + '; '.join(diff) +
                       " (rerun with --manifest to study this Python's stdlib instead, and delete the stored runs)")
-    runs = [r for p in a.phase for r in all_runs(tuple(range(a.seeds)), p)]
+    runs = [dict(r, device=a.device) for p in a.phase for r in all_runs(tuple(range(a.seeds)), p)]
     if a.pilot:
         for r in all_runs((0,), a.phase[-1]):
-            r.update(steps=a.pilot, eval_docs=2, eval_bytes=1024); r.pop('phase')
+            r.update(steps=a.pilot, eval_docs=2, eval_bytes=1024, device=a.device); r.pop('phase')
             t0 = time.time(); out = train_run(**r)
             print(f"{r['label']}: step {out['step_time'] * 1e3:.0f} ms (mean {out['step_times_mean'] * 1e3:.0f}), "
                   f"eval {out['eval_seconds']:.1f} s, total {time.time() - t0:.1f} s", flush=True)
@@ -367,6 +389,11 @@ def main(argv=None):
     path = lambda r: out / run_file(r['label'], r['seed'], r['phase']).name
     done = lambda r: path(r).exists() and is_paired(json.loads(path(r).read_text()))
     todo = [dict(r, out_dir=str(out)) for r in runs if not done(r)]
+    cpu_only = [r for r in todo if r.get('faiss') and torch.device(a.device).type != 'cpu']
+    if cpu_only and not a.list:   # faiss-cpu: these settings run with --device cpu
+        todo = [r for r in todo if r not in cpu_only]
+        print(f"not run on {a.device} (FaissKNNMemory is CPU-only; run them with --device cpu): "
+              + ', '.join(sorted({r['label'] for r in cpu_only})), flush=True)
     if a.list:
         for r in runs: print(('stored ' if done(r) else 'todo   ') + f"{r['phase']} {r['label']} seed {r['seed']}")
         return
@@ -455,9 +482,17 @@ class MemStudyResults:
         return statistics.mean(d) if d else math.nan
 
     def cost(self, label, key='step_cpu', base='none') -> float:
-        "Median step time of `label` over the median of `base` (CPU time per step by default: one thread, so the work)."
+        """Median step time of `label` over the median of `base` (CPU time per step by default: one thread, so the work);
+        NaN where their runs did not all run on one device (a ratio across devices measures the devices)."""
+        if len({run_device(r) for l in (label, base) for r in self.runs(l)}) > 1: return math.nan
         med = lambda l: statistics.median(r[key] for r in self.runs(l))
         return med(label) / med(base)
+
+    def devices_text(self) -> str:
+        "Where the runs ran: 'cpu (1 thread)', or each device with its number of runs where there are several."
+        n = {}
+        for r in self.all: n[run_device(r)] = n.get(run_device(r), 0) + 1
+        return ', '.join(d if len(n) == 1 else f"{d} ({k} run{'s' * (k != 1)})" for d, k in n.items())
 
     def memory_weight(self, label, initial:bool=False) -> float:
         """Mean over seeds and heads of the weight the trained gate gives the retrieved pairs, 1 - sigmoid(b_h); NaN if not
@@ -497,7 +532,7 @@ class MemStudyResults:
             gs = '' if l == 'none' else self.interval_text(l, short=True)
             ws = '' if l == 'none' else self.interval_text(l, early=EARLY, short=True)
             rows.append(f"| `{l}` | {n} | {fmt(m, s)} | {fmt(e, es)} | {fmt(t, ts)} | {gs} | {ws} | "
-                        f"{self.cost(l):.2f}× | {self.cost(l, 'step_time'):.2f}× |"
+                        f"{_ratio(self.cost(l))} | {_ratio(self.cost(l, 'step_time'))} |"
                         + (f" {self.weight_text(l)} |" if gates else ''))
         return head + '\n' + '\n'.join(rows) + '\n\n' + self.rule()
 

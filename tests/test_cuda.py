@@ -262,3 +262,14 @@ def test_cuda_converted_llama_equals_transformers():
         theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, min_new_tokens=16,
                              do_sample=False, pad_token_id=0)
     assert torch.equal(ours, theirs)
+
+
+def test_memorizing_study_runs_on_cuda_as_on_cpu():
+    "`python -m bench.memorizing_study --device cuda`: a tiny kNN + XL run trains on the GPU, records where, and scores as on the CPU."
+    import math
+    import bench.memorizing_study as MS
+    tiny = dict(steps=3, batch=2, seq=16, d_model=16, heads=2, n_layers=2, position='xl_paper', lr=1e-2, warmup=1,
+                eval_docs=2, eval_bytes=64, label='knn 4x + xl', seed=0, knn_mult=4, knn_layer=1, top_k=4, mem_len=16)
+    cpu, gpu = MS.train_run(**tiny), MS.train_run(**tiny, device='cuda')
+    assert gpu['device'] == torch.cuda.get_device_name() and cpu['device'] == 'cpu (1 thread)'
+    assert math.isfinite(gpu['bpb']) and abs(gpu['bpb'] - cpu['bpb']) < 1e-3 * cpu['bpb']   # float32 on both

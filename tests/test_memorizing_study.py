@@ -1,7 +1,7 @@
 """The Memorizing Transformer study on long documents (bench/memorizing_study.py) and what it relies on:
 `doc_start` drops a row's Transformer-XL memory as well as its kNN memory; memories never cross documents;
 the no-memory score is the ordinary model's; the corpus, its split and its checksums are deterministic."""
-import copy, hashlib, json, math
+import copy, hashlib, json, math, subprocess, sys
 import pytest
 import torch
 import torch.nn.functional as F
@@ -494,3 +494,25 @@ def test_chapter_prints_the_rule_of_the_stored_runs():
     assert f"±{S.MARGIN:g} bits per byte" in long.rule() and long.seeds_text() in long.rule()
     home = [o for _, outs in _cells('index.ipynb') for o in outs if 'On bytes 8–16 KB' in o]
     assert len(home) == 1 and home[0].rstrip().endswith(long.rule())
+
+
+def test_device_option_is_checked_recorded_and_kept_apart_in_costs():
+    tiny = dict(steps=1, batch=2, seq=16, d_model=16, heads=2, n_layers=2, position='xl_paper', lr=0.0, warmup=1,
+                eval_docs=1, eval_bytes=32, seed=0)
+    r = S.train_run(label='knn 4x', knn_mult=4, knn_layer=1, top_k=4, **tiny)
+    assert r['device'] == 'cpu (1 thread)' and 'device' not in r['setting']      # the device is not a setting
+    with pytest.raises(ValueError, match="FaissKNNMemory .* run this setting with device='cpu'"):   # before any CUDA
+        S.train_run(label='knn 64x faiss', knn_mult=4, knn_layer=1, faiss=True, device='cuda', **tiny)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match='no CUDA device here'): S.train_run(label='none', device='cuda', **tiny)
+        cli = subprocess.run([sys.executable, '-m', 'bench.memorizing_study', '--device', 'cuda', '--list'],
+                             capture_output=True, text=True, cwd=S.ROOT)
+        assert cli.returncode != 0 and 'no CUDA device here; use --device cpu' in cli.stderr
+    # stored runs without a device ran on the CPU harness; a cost across devices is not a ratio of the same machine
+    runs = [_fake_run('none', 0, 2.0), _fake_run('knn 16x', 0, 1.9),
+            dict(_fake_run('xl', 0, 1.9), device='NVIDIA H200')]
+    R = S.MemStudyResults(runs)
+    assert R.cost('knn 16x') == pytest.approx(1.0) and math.isnan(R.cost('xl'))
+    assert '| – | – |' in [l for l in R.table().splitlines() if l.startswith('| `xl`')][0]
+    assert R.devices_text() == 'cpu (1 thread) (2 runs), NVIDIA H200 (1 run)'
+    assert S.MemStudyResults(runs[:2]).devices_text() == 'cpu (1 thread)'
