@@ -554,7 +554,8 @@ class MemStudyResults:
         clause = ("a kNN setting's shared parameters did not start where the same seed's `none` did, so its differences "
                   "also carry initialisation noise")
         if k == 0: return "stored before paired initialisation (no `init` recorded): " + clause
-        return f"{k} of {len(self.all)} runs paired; in the others " + clause
+        return (f"{k} of {len(self.all)} runs paired; the others' differences also carry initialisation noise (a kNN "
+                "setting started elsewhere than the same seed's `none`)")
 
     def rule(self) -> str:
         "`PAIRED_RULE` with these runs' seeds and pairing: the sentence printed below every verdict."
