@@ -218,12 +218,12 @@ def pair_init(model, seed:int, seq:int, d_model:int, heads:int, n_layers:int, po
     return {'paired_with': 'none', 'tensors': n, 'params': numel, 'own': own}
 
 def _train(model, stream:DocStream, steps:int, lr:float, warmup:int, gate_loss:bool=False, stateful:bool=True,
-           eval_fn=None, eval_every:int=0, device=None):
+           eval_fn=None, eval_every:int=0):
     """`relpos.train.fit` on the documents of `stream`: the next-byte loss (padding not scored), plus the kNN gates'
     loss if `gate_loss`; `stateful` (XL or kNN memory): each row's memory carried from segment to segment and emptied
     where its document starts. Returns per-step losses (bits per byte), wall and CPU times, and the curve of `eval_fn`
     every `eval_every` steps (not after the last)."""
-    dev = device or next(model.parameters()).device   # the batches go where the model is
+    dev = next(model.parameters()).device   # the batches go where the model is
     batches = (tuple(t.to(dev) for t in (b if stateful else b[:2])) for b in iter(stream.next, None))
     loss_fn = lambda model, batch, memory: lm_loss(model, batch, memory, gate_loss=gate_loss)
     train_bits, times, cpu, curve = [], [], [], []
