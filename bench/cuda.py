@@ -158,9 +158,49 @@ def profile(cases=('sdpa_causal', 'none', 'rotary', 'alibi', 'fire', 'xl', 'shaw
     return '\n'.join(out)
 
 
+FLEX_OPTION_CANDIDATES = (None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'num_stages': 2})
+
+
+def flex_options(n=2048, reps=5, dtypes=(torch.bfloat16, torch.float32), options=FLEX_OPTION_CANDIDATES) -> str:
+    """FlexAttention as the bias layers call it (`relpos.bias.flex_bias_attention`, a Toeplitz `score_mod` on a learnable
+    float32 table as T5's, causal, batch 4, 8 heads, head 64): forward+backward time under torch's default kernel
+    options and under smaller tiles, per dtype, against causal SDPA of the same dtype; a failure (shared memory) named.
+    For choosing the options the layers pass; not stored."""
+    from relpos.bias import flex_bias_attention, toeplitz_score_mod
+    F = torch.nn.functional
+    def timed(f, *xs):
+        for _ in range(2): f(*xs).float().sum().backward()          # compile, warm
+        best = float('inf')
+        for _ in range(reps):
+            _sync('cuda'); s = time.perf_counter()
+            f(*xs).float().sum().backward(); _sync('cuda')
+            best = min(best, time.perf_counter() - s)
+        return best * 1e3
+    lines = [f"### FlexAttention kernel options, n={n}, causal, batch 4, 8 heads, head 64, forward+backward (ms)", '',
+             '| dtype | options | ms | / SDPA causal |', '|---|---|---|---|']
+    for dtype in dtypes:
+        g = torch.Generator(device='cuda').manual_seed(0)
+        q, k, v = (torch.randn(4, 8, n, 64, device='cuda', dtype=dtype, generator=g).requires_grad_() for _ in range(3))
+        table = torch.randn(8, 2 * n - 1, device='cuda', generator=g).requires_grad_()
+        base = timed(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+        lines.append(f"| {str(dtype)[6:]} | SDPA is_causal=True | {base:.2f} | 1.00× |")
+        for opts in options:
+            try:
+                ms = timed(lambda q, k, v: flex_bias_attention(q, k, v, toeplitz_score_mod(table, n), 0.125, causal=True,
+                                                               kernel_options=opts), q, k, v)
+                lines.append(f"| {str(dtype)[6:]} | {opts} | {ms:.2f} | {ms / base:.2f}× |")
+            except Exception as e:   # the compile's failure, first line
+                lines.append(f"| {str(dtype)[6:]} | {opts} | {type(e).__name__}: {str(e).splitlines()[0][-160:]} | |")
+            print(lines[-1], flush=True)
+    return '\n'.join(lines)
+
+
 def main(parts=None):
-    "The tables named in `parts` or `RELPOS_CUDA_PARTS`, in that order: `train`, `infer` (layers), `decode`, `profile` (not stored); the first three by default."
+    "The tables named in `parts` or `RELPOS_CUDA_PARTS`, in that order: `train`, `infer` (layers), `decode`, `profile` and `flex` (not stored); the first three by default."
     if not torch.cuda.is_available(): raise RuntimeError("bench.cuda needs a CUDA device")
     parts = (parts or os.environ.get('RELPOS_CUDA_PARTS') or 'train,decode,infer').split(',')
-    run = dict(decode=decode, profile=profile)
+    # one process compiles FlexAttention for every method's score_mod, in training and in inference: more entries than
+    # dynamo's default limit of 8 per function, past which it runs the slow eager reference (a warning in the log)
+    torch._dynamo.config.recompile_limit = 256
+    run = dict(decode=decode, profile=profile, flex=flex_options)
     return '\n\n'.join(run[part]() if part in run else layers(modes=(part,)) for part in parts)

@@ -225,6 +225,7 @@ def flex_bias_attention(q:torch.Tensor,        # `[batch, heads, seq_q, d_k]`
                         scale:float,           # multiplies q k^T before `score_mod`
                         mask:Optional[torch.Tensor]=None, # bool `[b|1, seq_q|1, seq_k]`, True = may attend
                         causal:bool=False,     # hide keys after their query (last query on the last key)
+                        kernel_options:Optional[dict]=None, # FlexAttention's tile sizes and stages; None: torch's choice
                        ) -> torch.Tensor:      # `[batch, heads, seq_q, d_v]`; fully masked rows are 0
     "`softmax(q k^T * scale + bias) v` through FlexAttention (compiled), the bias given by `score_mod`, the masks by a `BlockMask`."
     if _flex_attention is None: raise RuntimeError("FlexAttention needs torch >= 2.5 (torch.nn.attention.flex_attention)")
@@ -248,7 +249,7 @@ def flex_bias_attention(q:torch.Tensor,        # `[batch, heads, seq_q, d_k]`
     # memory at head size 64); the inputs are already in autocast's dtype when they come from its projections
     with torch.autocast(q.device.type, enabled=False):
         x = flex(q, k.to(q.dtype), v.to(q.dtype), score_mod=score_mod, block_mask=block_mask, scale=scale,
-                 enable_gqa=k.shape[1] != q.shape[1])
+                 enable_gqa=k.shape[1] != q.shape[1], kernel_options=kernel_options)
     if mask is not None:   # a row whose keys are all hidden: 0, as everywhere in relpos (and never NaN)
         x = x * mask.any(-1)[:, None, :, None].to(x.dtype)
     return x
