@@ -1,6 +1,7 @@
 """The GPU tables: every position method's attention layer as `DecoderLM` builds it, and cached decoding against
 transformers' Llama. Run on a machine with CUDA: `python -m bench cuda` (or `tools/cuda_check.sh`). Writes
-nbs/data/layers_cuda.json and nbs/data/decode_cuda.json (each with the device, torch and date), which the chapters read.
+nbs/data/layers_cuda.json, decode_cuda.json and flex_options_cuda.json (each with the device, torch, commit and date), which
+the chapters read.
 
 - layers: bf16 autocast (float32 parameters, as AMP training keeps them), causal self-attention, batch 4, 8 heads,
   head size 64, n = 2048 and 8192; forward+backward and forward alone (inference mode), against
@@ -67,6 +68,7 @@ def layers(ns=(2048, 8192), reps=10, store=True, device='cuda', modes=('train', 
             out.append(table)
             stored.setdefault(mode, {})[str(n)] = dict(**_stamp(device), markdown=table, table=parse_tables(table)[0])
             if store: path.write_text(json.dumps(dict(by_mode=stored), indent=1))
+            print(table, flush=True)   # as it is measured: a step stopped at its time limit still shows its finished tables
     return '\n\n'.join(out)
 
 
@@ -161,11 +163,11 @@ def profile(cases=('sdpa_causal', 'none', 'rotary', 'alibi', 'fire', 'xl', 'shaw
 FLEX_OPTION_CANDIDATES = (None, {'BLOCK_M': 64, 'BLOCK_N': 64, 'num_stages': 2})
 
 
-def flex_options(n=2048, reps=5, dtypes=(torch.bfloat16, torch.float32), options=FLEX_OPTION_CANDIDATES) -> str:
+def flex_options(n=2048, reps=5, dtypes=(torch.bfloat16, torch.float32), options=FLEX_OPTION_CANDIDATES, store=True) -> str:
     """FlexAttention as the bias layers call it (`relpos.bias.flex_bias_attention`, a Toeplitz `score_mod` on a learnable
     float32 table as T5's, causal, batch 4, 8 heads, head 64): forward+backward time under torch's default kernel
-    options and under smaller tiles, per dtype, against causal SDPA of the same dtype; a failure (shared memory) named.
-    For choosing the options the layers pass; not stored."""
+    options and under smaller tiles (`relpos.bias.FLEX_SMALL_TILES`), per dtype, against causal SDPA of the same dtype;
+    a failure (shared memory) named. Stored in flex_options_cuda.json, which chapter 3b reads."""
     from relpos.bias import flex_bias_attention, toeplitz_score_mod
     F = torch.nn.functional
     def timed(f, *xs):
@@ -176,27 +178,32 @@ def flex_options(n=2048, reps=5, dtypes=(torch.bfloat16, torch.float32), options
             f(*xs).float().sum().backward(); _sync('cuda')
             best = min(best, time.perf_counter() - s)
         return best * 1e3
-    lines = [f"### FlexAttention kernel options, n={n}, causal, batch 4, 8 heads, head 64, forward+backward (ms)", '',
-             '| dtype | options | ms | / SDPA causal |', '|---|---|---|---|']
+    title = f"FlexAttention kernel options, n={n}, causal, batch 4, 8 heads, head 64, forward+backward (ms)"
+    lines, rows = [f"### {title}", '', '| dtype | options | ms | / SDPA causal |', '|---|---|---|---|'], []
     for dtype in dtypes:
         g = torch.Generator(device='cuda').manual_seed(0)
         q, k, v = (torch.randn(4, 8, n, 64, device='cuda', dtype=dtype, generator=g).requires_grad_() for _ in range(3))
         table = torch.randn(8, 2 * n - 1, device='cuda', generator=g).requires_grad_()
         base = timed(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
         lines.append(f"| {str(dtype)[6:]} | SDPA is_causal=True | {base:.2f} | 1.00× |")
+        rows.append(dict(dtype=str(dtype)[6:], options='sdpa_causal', ms=base))
         for opts in options:
             try:
                 ms = timed(lambda q, k, v: flex_bias_attention(q, k, v, toeplitz_score_mod(table, n), 0.125, causal=True,
                                                                kernel_options=opts), q, k, v)
                 lines.append(f"| {str(dtype)[6:]} | {opts} | {ms:.2f} | {ms / base:.2f}× |")
+                rows.append(dict(dtype=str(dtype)[6:], options=opts, ms=ms))
             except Exception as e:   # the compile's failure, first line
-                lines.append(f"| {str(dtype)[6:]} | {opts} | {type(e).__name__}: {str(e).splitlines()[0][-160:]} | |")
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][-160:]}"
+                lines.append(f"| {str(dtype)[6:]} | {opts} | {error} | |")
+                rows.append(dict(dtype=str(dtype)[6:], options=opts, error=error))
             print(lines[-1], flush=True)
+    if store: (DATA / 'flex_options_cuda.json').write_text(json.dumps(dict(**_stamp('cuda'), title=title, rows=rows), indent=1))
     return '\n'.join(lines)
 
 
 def main(parts=None):
-    "The tables named in `parts` or `RELPOS_CUDA_PARTS`, in that order: `train`, `infer` (layers), `decode`, `profile` and `flex` (not stored); the first three by default."
+    "The tables named in `parts` or `RELPOS_CUDA_PARTS`, in that order: `train`, `infer` (layers), `decode`, `flex` (FlexAttention's tiles), `profile` (not stored); the first three by default."
     if not torch.cuda.is_available(): raise RuntimeError("bench.cuda needs a CUDA device")
     parts = (parts or os.environ.get('RELPOS_CUDA_PARTS') or 'train,decode,infer').split(',')
     # one process compiles FlexAttention for every method's score_mod, in training and in inference: more entries than

@@ -265,7 +265,7 @@ def plot_ratios(table:dict,        # a table from `stored_tables`/`parse_tables`
     return fig
 
 # %% ../nbs/90_bench.ipynb #0fec5444
-def stored_cuda(name:str) -> dict: # 'layers' or 'decode': `nbs/data/<name>_cuda.json`
+def stored_cuda(name:str) -> dict: # 'layers', 'decode' or 'flex_options': `nbs/data/<name>_cuda.json`
     "The GPU measurements `bench/cuda.py` stored (device, torch, date and commit included)."
     path = repo_root() / 'nbs' / 'data' / f'{name}_cuda.json'
     if not path.exists():

@@ -3,7 +3,8 @@
 # causal SDPA; cached decoding against transformers' Llama; a profile of where a step's time goes) and the CUDA tests
 # (tests/test_cuda.py), each step under its own time limit in seconds, in the order given, everything written into
 # OUT_DIR as it finishes:
-#   STEPS=train:190,tests:110,profile:45,infer:60,decode:60 bash tools/cuda_check.sh OUT_DIR
+#   STEPS=train:190,tests:110,flex:50,infer:60,decode:60 bash tools/cuda_check.sh OUT_DIR
+# OUT_DIR gets versions.txt, bench.log (every step's output), test_cuda.log and the nbs/data/*_cuda.json it stored.
 # Needs python3 with torch, pytest (pytest-xdist) and transformers; relpos is imported from this checkout; packages the
 # machine lacks (fastcore) are installed from wheels in .whl/ if that folder is there, made beforehand on a machine with
 # an index: python3 -m pip download --no-deps --only-binary=:all: -d .whl fastcore
@@ -19,10 +20,12 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, torch.
 for step in $(echo "${STEPS:-train:300,decode:120,infer:200,tests:300}" | tr ',' ' '); do
     name=${step%%:*}; seconds=${step##*:}; start=$(date +%s)
     if [ "$name" = tests ]; then
-        timeout "$seconds" python3 -m pytest -q -p no:cacheprovider -n 8 -rfE ${TESTS:-tests/test_cuda.py} > "$out/test_cuda.log" 2>&1
-        echo "tests: exit $?, $(( $(date +%s) - start )) s"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/test_cuda.log" | tail -30
+        # -v: each result as it comes; SIGINT at the limit: pytest still prints the failures it has seen
+        timeout -s INT -k 15 "$seconds" python3 -m pytest -v -p no:cacheprovider -n 8 -rfE ${TESTS:-tests/test_cuda.py} > "$out/test_cuda.log" 2>&1
+        echo "tests: exit $?, $(( $(date +%s) - start )) s"; grep -E "^(FAILED|ERROR)|passed|failed|FAILED tests" "$out/test_cuda.log" | tail -40
     else
-        RELPOS_BENCH_DEVICE=cuda RELPOS_CUDA_PARTS=$name timeout "$seconds" python3 -m bench cuda > "$out/bench_$name.md" 2>&1
+        echo "## $name" >> "$out/bench.log"   # one log for every step: what comes back from a lent GPU is a few files
+        RELPOS_BENCH_DEVICE=cuda RELPOS_CUDA_PARTS=$name timeout "$seconds" python3 -m bench cuda >> "$out/bench.log" 2>&1
         echo "$name: exit $?, $(( $(date +%s) - start )) s"
         cp nbs/data/*_cuda.json "$out/" 2>/dev/null
     fi
