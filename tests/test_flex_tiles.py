@@ -63,3 +63,11 @@ def test_other_failures_and_given_options_are_not_retried(inputs):
         mine = {'BLOCK_M': 32, 'BLOCK_N': 32}
         B.flex_bias_attention(q, k, v, B.toeplitz_score_mod(table, 24), 0.25, causal=True, kernel_options=mine)
         assert fake.options == [None, mine] and B._flex_tiles == {}   # the caller's options, as given, nothing remembered
+
+
+def test_the_small_tiles_are_the_ones_measured_on_a_gpu():
+    "The docs say `FLEX_SMALL_TILES` compiled and ran where torch's tiles did not (3b, the GPU guide): the stored probe must hold that row, in bf16, measured, beside a failed row of torch's own tiles."
+    from relpos.bench import stored_cuda
+    rows = [r for r in stored_cuda('flex_options')['rows'] if r['dtype'] == 'bfloat16']
+    assert any(r['options'] == B.FLEX_SMALL_TILES and 'ms' in r and 'error' not in r for r in rows)
+    assert any(r['options'] is None and 'out of resource' in r['error'] for r in rows)
