@@ -187,10 +187,9 @@ except ImportError:   # a torch build without FlexAttention
     _flex_attention = _create_block_mask = None
 _flex_compiled, _causal_block_masks = {}, {}   # compiled FlexAttention per device type; causal BlockMasks
 # FlexAttention's tiles where torch's own do not fit the GPU's shared memory: torch 2.11 on an H200 at head size 64 in
-# bfloat16 asks 240 KiB of 227 (nbs/data/flex_options_cuda.json, where these compiled and ran); remembered per device,
-# dtype and head size once a compile has failed so
+# bfloat16 asks 240 KiB of 227 (nbs/data/flex_options_cuda.json, where these compiled and ran)
 FLEX_SMALL_TILES = {'BLOCK_M': 64, 'BLOCK_N': 64, 'num_stages': 2}
-_flex_tiles = {}
+_flex_tiles = {}   # (device, dtype, head size) -> the tiles used there since torch's own failed to compile
 
 def flex_available() -> bool:
     "True when this torch has FlexAttention (`torch.nn.attention.flex_attention`)."
@@ -251,11 +250,11 @@ def flex_bias_attention(q:torch.Tensor,        # `[batch, heads, seq_q, d_k]`
         if q.device.type not in _flex_compiled:
             _flex_compiled[q.device.type] = torch.compile(_flex_attention, dynamic=False if q.device.type == 'cpu' else None)
         flex = _flex_compiled[q.device.type]
-    # one dtype, autocast off: under autocast the compiled kernel would run in float32 (tiles too large for a GPU's shared
-    # memory at head size 64); the inputs are already in autocast's dtype when they come from its projections
     kind = (str(q.device), q.dtype, q.shape[-1])
     run = lambda options: flex(q, k.to(q.dtype), v.to(q.dtype), score_mod=score_mod, block_mask=block_mask, scale=scale,
                                enable_gqa=k.shape[1] != q.shape[1], kernel_options=options)
+    # one dtype, autocast off: under autocast the compiled kernel would run in float32 (tiles too large for a GPU's shared
+    # memory at head size 64); the inputs are already in autocast's dtype when they come from its projections
     with torch.autocast(q.device.type, enabled=False):
         if kernel_options is not None or kind in _flex_tiles or torch.compiler.is_compiling():
             x = run(kernel_options if kernel_options is not None else _flex_tiles.get(kind))

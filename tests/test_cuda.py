@@ -10,10 +10,13 @@ from relpos.models import POSITION_BUILDERS, causal_mask
 from relpos.relative_mha import relative_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-# each worker compiles FlexAttention for several methods' score_mods, in training and inference: past dynamo's default
-# of 8 entries it would run the eager reference instead, and the FlexAttention tests would not test the compiled kernel
-torch._dynamo.config.recompile_limit = 256
 POSITIONS = [p for p in POSITION_BUILDERS if p != 'absolute']   # 'absolute' is 'none' at the layer
+
+
+@pytest.fixture(autouse=True)
+def many_compiled_score_mods(monkeypatch):
+    "Each worker compiles FlexAttention for several methods' score_mods, in training and inference: past dynamo's default of 8 entries it would run the eager reference, and the FlexAttention tests would not test the compiled kernel."
+    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 256)
 
 
 def layer(position, d_model, heads, n, device, dtype):
